@@ -1,0 +1,38 @@
+# Two commands matter: `make demo` (the main job on its tiny default) and `make test`.
+# Each sets itself up on first use; `make setup` is idempotent (a stamp tracks the inputs).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.paco_ds-installed
+NPROC  ?= 2
+
+# CPU runs: gloo + no JIT-built DeepSpeed ops, one OMP thread per rank, quiet gloo warnings.
+export DS_ACCELERATOR ?= cpu
+export OMP_NUM_THREADS ?= 1
+export PYTHONWARNINGS ?= ignore::FutureWarning
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py constraints-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-cpu.txt torch torchvision
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+	@touch $@
+	@echo "set-up done: $(VENV) ($$(du -sh $(VENV) | cut -f1))"
+
+demo: setup
+	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29511 launch/train.py --config configs/tiny/t2is.yaml
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m kernels.bench
+
+clean:
+	rm -rf runs build *.egg-info

@@ -1,0 +1,1 @@
+"""Fused ops (Triton on GPU, C++ on CPU) with a torch reference as ground truth."""

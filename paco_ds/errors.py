@@ -1,0 +1,39 @@
+"""User-facing errors: one clear line, exit code 2, no traceback.
+
+Everything a user can get wrong (a config key, a data file, a reward name, a server endpoint)
+raises a subclass of `UserError`. Entry points wrap their body in `exit_on_user_error`, which
+prints the message on one line and exits with status 2. Programming errors keep their tracebacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+
+class UserError(Exception):
+    """A mistake in the user's input; the message names the key, file:line or endpoint."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    pass
+
+
+class DataError(UserError):
+    pass
+
+
+class RewardError(UserError):
+    """A reward could not be computed (server down, model not served, bad response)."""
+
+
+@contextlib.contextmanager
+def exit_on_user_error(prog: str = "paco_ds") -> Iterator[None]:
+    try:
+        yield
+    except UserError as err:
+        msg = " ".join(str(err).split("\n"))
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None

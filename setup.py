@@ -1,0 +1,46 @@
+"""paco_ds: PaCo-RL (PaCo-GRPO + PaCo-Reward) on DeepSpeed."""
+from setuptools import find_packages, setup
+
+setup(
+    name="paco_ds",
+    version="0.1.0",
+    description="GRPO for flow-matching image generators on consistency rewards, on DeepSpeed ZeRO-3",
+    python_requires=">=3.10",
+    packages=find_packages(include=["paco_ds", "paco_ds.*", "kernels", "kernels.*"]),
+    package_data={"paco_ds": ["data/prompts/*.jsonl", "models/configs/*.json"]},
+    include_package_data=True,
+    install_requires=[
+        # Ranges, not pins: the GPU image has torch 2.11 / triton 3.6 / transformers 5.17,
+        # the CPU recipe in the Makefile pins the measured torch 2.14.1 + torchvision 0.29.1 pair.
+        "torch>=2.4",
+        "torchvision>=0.19",
+        "triton>=3.0; platform_system == 'Linux'",
+        "deepspeed>=0.16,<0.21",
+        "diffusers>=0.35,<0.50",
+        "transformers>=4.57,<6",
+        "peft>=0.17,<0.30",
+        "open_clip_torch>=2.24,<4",
+        "accelerate>=1.0",
+        "pydantic>=2.6,<3",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "pillow>=10",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "sentencepiece>=0.2",
+        "tqdm>=4.66",
+        "tensorboard>=2.14",
+        "matplotlib>=3.7",
+        "scipy>=1.10",
+        "openai>=1.40",
+        "httpx>=0.27",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+    ],
+    extras_require={
+        "serve": ["vllm>=0.8"],
+        "flash": ["flash-attn>=2.6"],
+        "wandb": ["wandb"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ninja"],
+    },
+)
