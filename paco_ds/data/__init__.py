@@ -1,0 +1,5 @@
+"""Prompt datasets and the k-repeat sampler."""
+from paco_ds.data.prompts_io import PromptItem, load_prompts, load_t2is_jsonl, load_text_prompts
+from paco_ds.data.sampler import KRepeatSampler, RankBatch
+
+__all__ = ["PromptItem", "load_prompts", "load_t2is_jsonl", "load_text_prompts", "KRepeatSampler", "RankBatch"]

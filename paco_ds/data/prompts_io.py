@@ -1,0 +1,86 @@
+"""Prompt files: T2IS jsonl (prompt + layout + size + consistency criteria) and plain text lists.
+
+Every malformed line is reported as `file:line: reason` (a DataError, exit code 2), never skipped.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paco_ds.errors import DataError
+
+# Fields of a T2IS record (REFERENCE.md §8). Only `prompt` is required; others are kept as metadata.
+T2IS_FIELDS = ("idx", "prompt", "height", "width", "layout", "theme", "category", "task_name", "criteria",
+               "from", "original_idx", "editing_prompts", "size")
+
+
+@dataclass
+class PromptItem:
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    height: int | None = None  # per-item size; overrides the resolution fallback when set
+    width: int | None = None
+
+    def size(self, fallback: int) -> tuple[int, int]:
+        return (self.height or fallback, self.width or fallback)
+
+
+def _positive_int(value: Any, key: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
+        raise DataError(f"{where}: '{key}' must be a positive integer (got {value!r})")
+    return int(value)
+
+
+def load_t2is_jsonl(path: str | Path) -> list[PromptItem]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    items: list[PromptItem] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            prompt = rec.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise DataError(f"{where}: missing or empty 'prompt'")
+            crit = rec.get("criteria")
+            if crit is not None and not isinstance(crit, dict):
+                raise DataError(f"{where}: 'criteria' must be an object of dimensions")
+            items.append(PromptItem(prompt=prompt, metadata=rec,
+                                    height=_positive_int(rec.get("height"), "height", where),
+                                    width=_positive_int(rec.get("width"), "width", where)))
+    if not items:
+        raise DataError(f"{path}: no prompts")
+    return items
+
+
+def load_text_prompts(path: str | Path) -> list[PromptItem]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset file not found: {path}")
+    items = [PromptItem(prompt=line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not items:
+        raise DataError(f"{path}: no prompts")
+    return items
+
+
+def load_prompts(path: str | Path, fmt: str, key: str | None = None) -> list[PromptItem]:
+    """Load a prompt file; `key` (e.g. 'data.train_file') is named when the file is missing."""
+    if key and not Path(path).is_file():
+        raise DataError(f"config key '{key}': dataset file not found: {path}")
+    if fmt == "t2is":
+        return load_t2is_jsonl(path)
+    if fmt == "text":
+        return load_text_prompts(path)
+    raise DataError(f"unknown data format '{fmt}' (t2is or text)")
