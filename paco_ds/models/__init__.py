@@ -1,0 +1,1 @@
+"""Policies (one file per model family), LoRA, and tiny offline builders."""

@@ -1,0 +1,158 @@
+"""FLUX.1-dev as a `Policy`: CLIP + T5 text conditioning, packed 2x2 latents, guidance embedding.
+
+`FluxPolicy.load(cfg, device)` loads the real model from a hub id or a local directory, or builds
+the tiny offline one when `model.tiny` is true. The math of the pipeline (prompt encoding, latent
+packing and ids, VAE scaling) is written out here so rollouts can keep exactly what training needs.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from paco_ds.config import ModelConfig
+from paco_ds.models.base import Policy, TextEmbeds
+from paco_ds.sampling.schedule import ShiftConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on an accelerator and fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move only when needed (diffusers warns on a no-op dtype cast)."""
+    p = next(module.parameters(), None)
+    if p is not None and (p.device != device or p.dtype != dtype):
+        module.to(device=device, dtype=dtype)
+
+
+class FluxPolicy(Policy):
+    def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
+                 tokenizer, tokenizer_2, scheduler_config: dict, device: torch.device, dtype: torch.dtype,
+                 max_sequence_length: int = 512):
+        self.transformer = transformer
+        self.vae, self.text_encoder, self.text_encoder_2 = vae, text_encoder, text_encoder_2
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+        self.shift = ShiftConfig.from_scheduler_config(scheduler_config)
+        self.device, self.dtype = device, dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.latent_channels = vae.config.latent_channels
+        for m in (vae, text_encoder, text_encoder_2):
+            m.requires_grad_(False).eval()
+        # The VAE decodes in fp32 on CPU and in the model dtype elsewhere; text encoders likewise.
+        for m in (vae, text_encoder, text_encoder_2):
+            _move(m, device, dtype)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device, seed: int = 0) -> "FluxPolicy":
+        dtype = resolve_dtype(cfg.dtype, device)
+        if cfg.tiny:
+            from paco_ds.models.tiny import tiny_flux_components
+
+            parts = tiny_flux_components(cfg.tiny_spec, seed=seed)
+            max_len = min(cfg.max_sequence_length, 64)
+        else:
+            parts = cls._from_pretrained(cfg.path, cfg.revision, dtype)
+            max_len = cfg.max_sequence_length
+        _move(parts["transformer"], device, dtype)
+        return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
+
+    @staticmethod
+    def _from_pretrained(path: str, revision: str | None, dtype: torch.dtype) -> dict:
+        """FLUX.1-dev (or a local copy with the same layout); only runs where the weights are."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        kw = {"revision": revision} if revision else {}
+        log.info("loading FLUX components from %s", path)
+        return {
+            "transformer": FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw),
+            "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
+            "text_encoder": CLIPTextModel.from_pretrained(path, subfolder="text_encoder", torch_dtype=dtype, **kw),
+            "text_encoder_2": T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", torch_dtype=dtype, **kw),
+            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
+            "tokenizer_2": T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2", **kw),
+            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
+        }
+
+    # ------------------------------------------------------------------ text
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> TextEmbeds:
+        clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                                  truncation=True, return_tensors="pt").input_ids
+        pooled = self.text_encoder(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+        t5_ids = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length,
+                                  truncation=True, return_tensors="pt").input_ids
+        embeds = self.text_encoder_2(t5_ids.to(self.device), output_hidden_states=False)[0]
+        return TextEmbeds(prompt_embeds=embeds.to(self.dtype), pooled=pooled.to(self.dtype))
+
+    # ------------------------------------------------------------------ latents
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        """Unpacked latent size; divisible by 2 for the 2x2 packing."""
+        f = self.vae_scale_factor * 2
+        if height % f or width % f:
+            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def latent_seq_len(self, height: int, width: int) -> int:
+        h, w = self.latent_hw(height, width)
+        return (h // 2) * (w // 2)
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        b, _, ch = latents.shape
+        h, w = self.latent_hw(height, width)
+        x = latents.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, ch // 4, h, w)
+
+    def image_ids(self, height: int, width: int) -> torch.Tensor:
+        h, w = self.latent_hw(height, width)
+        ids = torch.zeros(h // 2, w // 2, 3)
+        ids[..., 1] += torch.arange(h // 2)[:, None]
+        ids[..., 2] += torch.arange(w // 2)[None, :]
+        return ids.reshape(-1, 3).to(self.device, self.dtype)
+
+    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
+        h, w = self.latent_hw(height, width)
+        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
+        return self.pack(noise).to(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ transformer / VAE
+    def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,
+                 height: int, width: int, guidance: float) -> torch.Tensor:
+        b = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)
+        txt_ids = torch.zeros(embeds.prompt_embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        guidance_t = torch.full((b,), guidance, device=self.device, dtype=torch.float32)
+        return module(hidden_states=latents.to(self.dtype), timestep=sigma.to(self.dtype),
+                      guidance=guidance_t, pooled_projections=embeds.pooled.to(self.device, self.dtype),
+                      encoder_hidden_states=embeds.prompt_embeds.to(self.device, self.dtype), txt_ids=txt_ids,
+                      img_ids=self.image_ids(height, width), return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        x = self.unpack(latents.to(self.device, self.dtype), height, width)
+        x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        images = self.vae.decode(x, return_dict=False)[0]
+        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 [B,3,H,W] -> packed, scaled latents (reference images of editing models)."""
+        x = images.to(self.device, self.dtype) / 127.5 - 1
+        lat = self.vae.encode(x).latent_dist.mode()
+        return self.pack((lat - self.vae.config.shift_factor) * self.vae.config.scaling_factor)

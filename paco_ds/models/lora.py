@@ -1,0 +1,66 @@
+"""LoRA on the policy transformer (peft through diffusers), and export in diffusers' format.
+
+Only the adapter is trained; the base stays frozen and is reached with the adapter disabled
+(the KL reference). `export_lora` writes `pytorch_lora_weights.safetensors`, the file that
+`FluxPipeline.load_lora_weights(dir)` reads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paco_ds.config import LoraConfig
+
+ADAPTER = "default"
+
+
+def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Freeze the base and attach a LoRA adapter (or load the one at `cfg.path`)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    transformer.requires_grad_(False)
+    if cfg.path:
+        transformer.load_lora_adapter(cfg.path, adapter_name=ADAPTER, prefix="transformer")
+        for name, p in transformer.named_parameters():
+            if "lora_" in name:
+                p.requires_grad_(True)
+        return transformer
+    present = {name.split(".", 1)[-1] for name, _ in transformer.named_modules()}
+    targets = [t for t in cfg.target_modules if any(n.endswith(t) for n in present)]
+    if not targets:
+        raise ValueError(f"none of the LoRA target modules {cfg.target_modules} exist in the transformer")
+    transformer.add_adapter(PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                           init_lora_weights=True if cfg.init == "default" else cfg.init,
+                                           target_modules=targets), adapter_name=ADAPTER)
+    return transformer
+
+
+def lora_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter weights in diffusers' naming (no 'transformer.' prefix, no adapter name)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer, adapter_name=ADAPTER).items()}
+
+
+def adapter_metadata(transformer: nn.Module) -> dict:
+    """The adapter's peft config (rank, alpha, targets): stored with the weights so a loader
+    restores the alpha/r scale instead of assuming alpha = r."""
+    conf = transformer.peft_config[ADAPTER].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in conf.items()}
+
+
+def export_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path, metadata: dict | None = None) -> Path:
+    """Write an adapter that FluxPipeline.load_lora_weights(out_dir) loads."""
+    from diffusers import FluxPipeline
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
+                                   transformer_lora_adapter_metadata=metadata)
+    return out_dir / "pytorch_lora_weights.safetensors"

@@ -1,0 +1,159 @@
+"""Tiny random-weight models and offline tokenizers, built from configs (no hub access).
+
+They have the real architectures (FluxTransformer2DModel, AutoencoderKL, CLIP, T5) at toy sizes,
+so every code path that runs on FLUX.1-dev runs here on a CPU in milliseconds. Weights come from
+a fixed seed, so every process and every run builds the same model.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gzip
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from paco_ds.config import TinyModelConfig
+
+PROMPT_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+
+# FLUX.1's scheduler constants, so the tiny model's sigma schedule at a given image size is the
+# real one (the tiny VAE also downsamples 8x and the transformer packs 2x2 patches).
+FLUX_SCHEDULER_CONFIG = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5,
+                         "max_shift": 1.15, "use_dynamic_shifting": True, "shift": 3.0}
+FLUX_VAE_SCALING = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Deterministic construction without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2/CLIP's reversible byte -> printable-character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+@functools.lru_cache(maxsize=1)
+def clip_tokenizer():
+    """The real CLIP BPE tokenizer (49408 tokens), rebuilt from open_clip's bundled merges."""
+    import open_clip
+    from transformers import CLIPTokenizer
+
+    path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    merges = gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
+    base = _bytes_to_unicode()
+    tokens = base + [t + "</w>" for t in base] + ["".join(m.split()) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges],
+                         model_max_length=77)
+
+
+def _corpus() -> list[str]:
+    import json
+
+    texts = []
+    for f in sorted(PROMPT_DIR.glob("*.jsonl")):
+        texts += [json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()]
+    return texts + ["abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"()[]-"]
+
+
+@functools.lru_cache(maxsize=1)
+def t5_tokenizer(vocab_size: int = 512):
+    """A small T5-style Unigram tokenizer trained in-process on the shipped prompts."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import T5TokenizerFast
+
+    tk = Tokenizer(models.Unigram())
+    tk.normalizer = normalizers.NFKC()
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>", show_progress=False)
+    tk.train_from_iterator(_corpus(), trainer)
+    vocab = [tuple(x) for x in json.loads(tk.to_str())["model"]["vocab"]]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX components
+# ----------------------------------------------------------------------------------------------
+def tiny_flux_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
+    """transformer, vae, text_encoder (CLIP), text_encoder_2 (T5), tokenizers, scheduler config."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    spec = spec or TinyModelConfig()
+    tok, tok2 = clip_tokenizer(), t5_tokenizer()
+    d = spec.text_dim
+    head = spec.attention_head_dim
+    rope = (head // 4, head // 4, head - 2 * (head // 4))
+    with seeded(seed):
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * spec.latent_channels, num_layers=spec.num_layers,
+            num_single_layers=spec.num_single_layers, attention_head_dim=head,
+            num_attention_heads=spec.num_attention_heads, joint_attention_dim=d, pooled_projection_dim=d,
+            guidance_embeds=True, axes_dims_rope=rope)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=spec.latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=64,
+            mid_block_add_attention=False, **FLUX_VAE_SCALING)
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=77, projection_dim=d, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tok2), d_model=d, d_kv=d // 2, d_ff=2 * d, num_layers=1, num_heads=2,
+            pad_token_id=tok2.pad_token_id, eos_token_id=tok2.eos_token_id, decoder_start_token_id=0))
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
+            "tokenizer": tok, "tokenizer_2": tok2, "scheduler_config": dict(FLUX_SCHEDULER_CONFIG)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward-model backbones
+# ----------------------------------------------------------------------------------------------
+TINY_OPEN_CLIP = "paco-tiny-clip"
+
+
+def register_tiny_open_clip() -> str:
+    """Register a tiny open_clip architecture (random weights, bundled tokenizer)."""
+    import open_clip
+
+    if TINY_OPEN_CLIP not in open_clip.list_models():
+        open_clip.add_model_config(Path(__file__).parent / "configs" / f"{TINY_OPEN_CLIP}.json")
+    return TINY_OPEN_CLIP
+
+
+def tiny_clip_model(seed: int = 0):
+    """A tiny transformers CLIPModel and a CLIPProcessor (the PickScore architecture)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tok = clip_tokenizer()
+    config = CLIPConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "max_position_embeddings": 77, "bos_token_id": tok.bos_token_id,
+                     "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 32, "patch_size": 8},
+        projection_dim=32)
+    with seeded(seed):
+        model = CLIPModel(config)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return model, CLIPProcessor(image_processor=image_processor, tokenizer=tok)
