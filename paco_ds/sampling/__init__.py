@@ -1,0 +1,1 @@
+"""Schedules, the SDE step with log-probs, the rollout loop, and grid/panel helpers."""

@@ -1,0 +1,105 @@
+"""The rollout loop: ODE steps everywhere except the configured noise steps, which use the SDE.
+
+It keeps only what training needs (REFERENCE.md §12.17-20): for each trained step j, x_j and
+x_{j+1}, the sigmas, the cached text embeddings, and log pi_old recorded at sampling time. The
+VAE decodes once, at the end. Noise comes from one generator per sample keyed by
+(seed, epoch, position), so a sample does not depend on the world size or the batch it is in.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from paco_ds.models.base import Policy, TextEmbeds
+from paco_ds.sampling.sde import sde_step
+
+
+def make_generator(*keys) -> torch.Generator:
+    """A CPU generator seeded from a hash of the keys (e.g. seed, epoch, position)."""
+    digest = hashlib.sha256(":".join(map(str, keys)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+@dataclass
+class Trajectory:
+    """A batch of same-size samples after rollout (tensors on CPU)."""
+
+    prompts: list[str]
+    height: int
+    width: int
+    embeds: TextEmbeds
+    images: torch.Tensor  # uint8 [B, 3, H, W]
+    steps: list[int] = field(default_factory=list)  # trained step indices j
+    x_t: torch.Tensor | None = None  # [B, T, L, C]  x_j
+    x_next: torch.Tensor | None = None  # [B, T, L, C]  x_{j+1}
+    sigma: torch.Tensor | None = None  # [B, T]
+    sigma_next: torch.Tensor | None = None  # [B, T]
+    sigma_max: torch.Tensor | None = None  # [B]  sigma_1, the reference's guard for sigma == 1
+    log_prob: torch.Tensor | None = None  # [B, T] fp32, log pi_old
+    metadata: list[dict] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # global positions in the epoch plan
+    group_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@torch.no_grad()
+def sample_trajectories(
+    policy: Policy, module: nn.Module, prompts: list[str], embeds: TextEmbeds, height: int, width: int, *,
+    num_steps: int, guidance: float, noise_level: float, noise_steps: list[int], train_steps: list[int],
+    generators: list[torch.Generator], initial_latents: torch.Tensor | None = None, sde_type: str = "flow_grpo",
+    sde_fn: Callable = sde_step, on_step: Callable[[int], None] | None = None,
+) -> Trajectory:
+    """Run the sampler for one batch; with noise_level 0 and no train steps this is pure ODE (eval)."""
+    b = len(prompts)
+    sigmas = policy.sigmas(num_steps, height, width)
+    x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)
+    latent_dtype = x.dtype
+    embeds_dev = embeds.to(policy.device)
+    kept_t, kept_next, kept_lp = [], [], []
+    for i in range(num_steps):
+        s, s_next = sigmas[i].item(), sigmas[i + 1].item()
+        v = policy.velocity(module, x, torch.full((b,), s), embeds_dev, height, width, guidance)
+        level = noise_level if i in noise_steps else 0.0
+        noise = None
+        if level > 0:
+            noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
+        step = sde_fn(x, v, s, s_next, level, sigmas[1].item(), noise=noise, sde_type=sde_type)
+        x_next = step.prev_sample.to(latent_dtype)
+        if i in train_steps:
+            kept_t.append(x.cpu())
+            kept_next.append(x_next.cpu())
+            kept_lp.append(step.log_prob.float().cpu())
+        x = x_next
+        if on_step is not None:
+            on_step(i)
+    images = policy.decode(x, height, width)
+    traj = Trajectory(prompts=list(prompts), height=height, width=width, embeds=embeds.to("cpu"), images=images)
+    if train_steps:
+        t = len(train_steps)
+        traj.steps = list(train_steps)
+        traj.x_t = torch.stack(kept_t, dim=1)
+        traj.x_next = torch.stack(kept_next, dim=1)
+        traj.log_prob = torch.stack(kept_lp, dim=1)
+        traj.sigma = sigmas[train_steps].expand(b, t).clone()
+        traj.sigma_next = sigmas[[j + 1 for j in train_steps]].expand(b, t).clone()
+        traj.sigma_max = sigmas[1].expand(b).clone()
+    return traj
+
+
+def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, guidance: float,
+                        noise_level: float, sde_type: str = "flow_grpo", sde_fn: Callable = sde_step):
+    """Recompute log pi(x_{j+1} | x_j) for trained step index t of samples `idx` through `module`.
+
+    Returns the SDEStep (log_prob, mean, std); with grad if the caller enables it.
+    """
+    dev = policy.device
+    x = traj.x_t[idx, t].to(dev)
+    v = policy.velocity(module, x, traj.sigma[idx, t], traj.embeds.select(idx).to(dev), traj.height, traj.width, guidance)
+    return sde_fn(x, v, traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), noise_level,
+                  traj.sigma_max[idx].to(dev), prev_sample=traj.x_next[idx, t].to(dev), sde_type=sde_type)
