@@ -1,0 +1,44 @@
+"""Reward names -> implementations, imported only when a reward is built.
+
+Config validation checks names against this table without importing torch models; building a
+reward imports its module and filters the configured keyword arguments against its constructor.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from paco_ds.errors import ConfigError
+
+REWARDS: dict[str, str] = {
+    # local, in-process
+    "jpeg_compressibility": "paco_ds.rewards.jpeg_compressibility:JpegCompressibility",
+    "subfig_clipT": "paco_ds.rewards.subfig_clipT:SubfigClipT",
+    "pickscore": "paco_ds.rewards.pickscore:PickScore",
+    # remote, through an OpenAI-compatible reward server
+    "consistency_score": "paco_ds.rewards.consistency:ConsistencyScore",
+    "consistency_for_editing": "paco_ds.rewards.consistency:ConsistencyForEditing",
+}
+
+
+def reward_class(name: str):
+    if name not in REWARDS:
+        raise ConfigError(f"unknown reward '{name}'; known: {', '.join(sorted(REWARDS))}")
+    module, attr = REWARDS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_reward(name: str, kwargs: dict[str, Any], where: str = "rewards", **context: Any):
+    """Build one reward. `kwargs` come from the recipe (unknown ones are an error naming the key);
+    `context` (device, tiny, run_dir, ...) is passed only where the constructor accepts it."""
+    cls = reward_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key in kwargs:
+        if key not in params and not accepts_any:
+            valid = [p for p in params if p not in ("self",) and p not in context]
+            raise ConfigError(f"config key '{where}.{name}.{key}': '{name}' takes no argument '{key}' "
+                              f"(it takes: {', '.join(valid) or 'none'})")
+    ctx = {k: v for k, v in context.items() if k in params or accepts_any}
+    return cls(**{**ctx, **kwargs})

@@ -1,0 +1,72 @@
+"""Sub-figure CLIP-T: mean cosine similarity between each panel and its own panel prompt.
+
+open_clip ViT-H-14 (laion2b_s32b_b79k) for real runs; `tiny: true` builds a random tiny CLIP
+offline. Panel embeddings are cached by (panel content, text), since groups repeat prompts.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest
+from paco_ds.sampling.grid import grid_shape, split_panels, split_prompt
+
+
+class SubfigClipT(Reward):
+    name = "subfig_clipT"
+
+    def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
+                 device: str = "cpu", batch_size: int = 32, cache_size: int = 4096):
+        import open_clip
+
+        if tiny:
+            from paco_ds.models.tiny import register_tiny_open_clip, seeded
+
+            model, pretrained = register_tiny_open_clip(), None
+            with seeded(0):
+                self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=None)
+        else:
+            self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
+        self.tokenizer = open_clip.get_tokenizer(model)
+        self.device = torch.device(device)
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.batch_size = batch_size
+        self.cache = LRUCache(cache_size)
+
+    @torch.no_grad()
+    def _similarities(self, panels, texts) -> list[float]:
+        out = []
+        for i in range(0, len(panels), self.batch_size):
+            ims = torch.stack([self.preprocess(p) for p in panels[i:i + self.batch_size]]).to(self.device)
+            toks = self.tokenizer(texts[i:i + self.batch_size]).to(self.device)
+            fi = torch.nn.functional.normalize(self.model.encode_image(ims).float(), dim=-1)
+            ft = torch.nn.functional.normalize(self.model.encode_text(toks).float(), dim=-1)
+            out += (fi * ft).sum(-1).tolist()
+        return out
+
+    def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
+        keys_per_image, known, todo = [], {}, {}
+        for im, prompt, meta in zip(images, prompts, metadata):
+            rows, cols = grid_shape(prompt, meta)
+            panels = split_panels(im, rows, cols)
+            subs = split_prompt(prompt)[1:]
+            if not subs:  # no panel markers: the whole image against the whole prompt
+                panels, subs = [im], [prompt]
+            keys = []
+            for panel, text in zip(panels, subs):  # zip: extra panels or prompts are ignored
+                key = (image_digest(panel), text)
+                keys.append(key)
+                if key not in known and key not in todo:
+                    hit = self.cache.get(key)
+                    if hit is None:
+                        todo[key] = (panel, text)
+                    else:
+                        known[key] = hit
+            keys_per_image.append(keys)
+        if todo:
+            pairs = list(todo.values())
+            sims = self._similarities([p for p, _ in pairs], [t for _, t in pairs])
+            for key, sim in zip(todo, sims):
+                known[key] = sim
+                self.cache.put(key, sim)
+        return RewardResult.ok([float(np.mean([known[k] for k in keys])) for keys in keys_per_image])
