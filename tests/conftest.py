@@ -1,0 +1,60 @@
+"""Shared fixtures. Everything runs on CPU with tiny models built offline."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+sys.path.insert(0, str(REPO))
+
+TINY = REPO / "configs" / "tiny" / "t2is.yaml"
+
+
+def shared_file(*parts: str) -> Path:
+    """A file of ../shared/data; the test is skipped when that folder is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not present")
+    return p
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a command with the project on PYTHONPATH; returns the completed process."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from paco_ds.config import load_config
+
+    return load_config(TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_cfg):
+    """A tiny FLUX policy with a LoRA whose B matrices are non-zero (so the adapter matters)."""
+    import torch
+
+    from paco_ds.models.flux import FluxPolicy
+    from paco_ds.models.lora import add_lora
+
+    policy = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
+    add_lora(policy.transformer, tiny_cfg.model.lora)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return policy

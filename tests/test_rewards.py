@@ -1,0 +1,65 @@
+"""Local rewards (tiny models offline) and the registry."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from paco_ds.errors import ConfigError
+from paco_ds.rewards.registry import REWARDS, build_reward
+from paco_ds.sampling.grid import split_panels, split_prompt
+
+PROMPT = ("FOUR-PANEL Images with a 2x2 grid layout showing a fox.All images share one style. "
+          "[TOP]-[LEFT]:A fox sleeps. [TOP]-[RIGHT]:A fox runs. [BOTTOM]-[LEFT]:A fox eats. [BOTTOM]-[RIGHT]:A fox swims.")
+
+
+def _images(n, size=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def test_jpeg_compressibility_prefers_smooth_images():
+    r = build_reward("jpeg_compressibility", {})
+    smooth = Image.fromarray(np.full((64, 64, 3), 120, dtype=np.uint8))
+    res = r([smooth] + _images(1), ["x", "x"])
+    assert res.valid.all() and res.scores[0] > res.scores[1]
+    assert res.scores[1] == pytest.approx(res.scores[1])  # finite
+    big = r([smooth.resize((128, 128))], ["x"]).scores[0]
+    assert abs(big - res.scores[0]) < abs(res.scores[1] - res.scores[0])  # per-pixel scale
+
+
+def test_subfig_clipT_scores_each_panel_against_its_own_prompt():
+    r = build_reward("subfig_clipT", {"tiny": True}, device="cpu")
+    ims = _images(2)
+    res = r(ims, [PROMPT, PROMPT], [{"layout": "2x2"}] * 2)
+    # independent computation with the same model
+    m, pre, tok = r.model, r.preprocess, r.tokenizer
+    with torch.no_grad():
+        panels = split_panels(ims[0], 2, 2)
+        fi = torch.nn.functional.normalize(m.encode_image(torch.stack([pre(p) for p in panels])), dim=-1)
+        ft = torch.nn.functional.normalize(m.encode_text(tok(split_prompt(PROMPT)[1:])), dim=-1)
+        want = (fi * ft).sum(-1).mean().item()
+    assert res.scores[0] == pytest.approx(want, abs=1e-5)
+    assert res.scores[0] != pytest.approx(res.scores[1])
+    hits = r.cache.hits
+    again = r(ims[:1], [PROMPT], [{"layout": "2x2"}])
+    assert again.scores[0] == res.scores[0] and r.cache.hits == hits + 4  # panels cached by content
+
+
+def test_pickscore_formula():
+    r = build_reward("pickscore", {"tiny": True}, device="cpu")
+    ims = _images(2, seed=3)
+    res = r(ims, [PROMPT, "a red fox"])
+    with torch.no_grad():
+        pix = r.processor(images=ims[:1], return_tensors="pt")["pixel_values"]
+        tok = r.processor(text=[PROMPT], truncation=True, max_length=77, return_tensors="pt")
+        out = r.model(pixel_values=pix, input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
+        want = out.logits_per_image[0, 0].item() / 26  # logit_scale.exp() * cos
+    assert res.scores[0] == pytest.approx(want, rel=1e-4)
+
+
+def test_registry_rejects_unknown_reward_arguments():
+    with pytest.raises(ConfigError, match="rewards.train.terms.pickscore.colour"):
+        build_reward("pickscore", {"colour": 1}, where="rewards.train.terms")
+    with pytest.raises(ConfigError, match="unknown reward"):
+        build_reward("nope", {})
+    assert {"consistency_score", "subfig_clipT", "pickscore", "jpeg_compressibility"} <= set(REWARDS)
