@@ -157,3 +157,76 @@ def tiny_clip_model(seed: int = 0):
         model = CLIPModel(config)
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return model, CLIPProcessor(image_processor=image_processor, tokenizer=tok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen2.5-VL (the PaCo-Reward architecture)
+# ----------------------------------------------------------------------------------------------
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+# The qwen2_vl conversation format (REFERENCE.md §9.4): a default system turn, images as
+# <|vision_start|><|image_pad|><|vision_end|> in place, text parts verbatim.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def qwen_tokenizer():
+    """A byte-level Qwen2 tokenizer: 256 byte tokens, 'Yes' and 'No' as single tokens, Qwen's specials."""
+    from transformers import Qwen2Tokenizer
+
+    base = _bytes_to_unicode()
+    merges = [("Y", "e"), ("Ye", "s"), ("N", "o")]
+    vocab = {t: i for i, t in enumerate(base + ["Ye", "Yes", "No"])}
+    for s in QWEN_SPECIAL_TOKENS:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS})
+    return tok
+
+
+def tiny_qwen2_5_vl(seed: int = 0, max_pixels: int = 56 * 56):
+    """A tiny Qwen2_5_VLForConditionalGeneration and its processor (2 text layers, 1 vision block)."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    tok = qwen_tokenizer()
+    ids = {n: tok.convert_tokens_to_ids(n) for n in QWEN_SPECIAL_TOKENS}
+    pixels = {"min_pixels": 28 * 28, "max_pixels": max_pixels}
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **pixels),
+        video_processor=Qwen2VLVideoProcessor(**pixels), tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+                     "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [0]},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with seeded(seed):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    return model.eval(), processor
+
+
+def save_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen2.5-VL checkpoint directory (model + processor) that from_pretrained loads."""
+    path = Path(path)
+    model, processor = tiny_qwen2_5_vl(seed)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
