@@ -1,0 +1,107 @@
+"""Process-group set-up and the few collectives the trainers use.
+
+Works under the deepspeed launcher, torchrun, or a plain `python` (a world of one). On a machine
+without CUDA it applies what was measured on CPU (ENVIRONMENT.md): the CPU accelerator, gloo, and
+no JIT-compiled shared-memory comm op (which takes a minute to build on first use).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _cpu_only() -> bool:
+    return not torch.cuda.is_available()
+
+
+def setup_distributed() -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (once) and return this process's place."""
+    if _cpu_only():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    import deepspeed
+
+    if _cpu_only():
+        # The shm comm op is JIT-compiled on first use (about a minute); gloo alone is enough here.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if _cpu_only() else "nccl")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if _cpu_only():
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                    local_rank=local_rank, device=device)
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        torch.distributed.barrier()
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's object, in rank order (pickled; for metadata and small arrays)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_true(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank if it is true on any rank (ranks must agree before skipping collectives)."""
+    if world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=device or "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def all_reduce_max(value: float, device: torch.device | None = None) -> float:
+    if world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def all_reduce_mean(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    if world_size() == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device or "cpu")
+    torch.distributed.all_reduce(t)
+    t /= world_size()
+    return dict(zip(keys, t.tolist()))

@@ -1,0 +1,75 @@
+"""DeepSpeed engine construction shared by the GRPO and SFT trainers.
+
+The engine config comes from a JSON file (configs/deepspeed/*.json) plus recipe overrides; batch
+sizes, accumulation, gradient clipping and precision are always filled in from the recipe and the
+real world size, so a file never disagrees with the run. The optimizer is torch's AdamW over the
+trainable (LoRA) parameters only: DeepSpeed's fused Adam would be JIT-compiled on first use.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from paco_ds.errors import ConfigError
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_ds_config(path: Path, where: str = "deepspeed.config") -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config key '{where}': DeepSpeed config not found: {path}")
+    try:
+        conf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    return {k: v for k, v in conf.items() if not k.startswith("_")}
+
+
+def build_ds_config(base: dict, *, micro_batch: int, grad_accum: int, world_size: int, grad_clip: float,
+                    bf16: bool, zero_stage: int | None = None, overrides: dict | None = None) -> dict:
+    conf = _merge(base, overrides or {})
+    conf["train_micro_batch_size_per_gpu"] = micro_batch
+    conf["gradient_accumulation_steps"] = grad_accum
+    conf["train_batch_size"] = micro_batch * grad_accum * world_size
+    conf["gradient_clipping"] = grad_clip  # set explicitly: the reference's clipping never reached DeepSpeed
+    conf["bf16"] = {"enabled": bf16}
+    conf.pop("fp16", None)
+    if zero_stage is not None:
+        conf.setdefault("zero_optimization", {})["stage"] = zero_stage
+    return conf
+
+
+def zero_stage(conf: dict) -> int:
+    return int(conf.get("zero_optimization", {}).get("stage", 0))
+
+
+def create_engine(model: torch.nn.Module, params: Iterable[torch.nn.Parameter], ds_config: dict, *, lr: float,
+                  betas: tuple[float, float], eps: float, weight_decay: float, lr_scheduler=None):
+    """deepspeed.initialize with a torch AdamW over `params`; returns the engine."""
+    import deepspeed
+
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, lr_scheduler=lr_scheduler)
+    return engine
+
+
+def partition_report(module: torch.nn.Module) -> list[dict[str, Any]]:
+    """Per parameter: full and local element counts (ZeRO-3 keeps a shard in `ds_tensor`)."""
+    rows = []
+    for name, p in module.named_parameters():
+        full = int(getattr(p, "ds_numel", p.numel()))
+        local = int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel()
+        rows.append({"name": name, "full": full, "local": local, "trainable": p.requires_grad})
+    return rows
