@@ -1,0 +1,63 @@
+"""EMA of the trainable (LoRA) parameters, stepped once per optimizer step.
+
+The reference stepped its EMA after every micro-batch, so with large accumulation it became a
+periodic snapshot (REFERENCE.md §1.7). Here `step(global_step)` is called only after an optimizer
+step; every `update_interval` optimizer steps, ema <- d*ema + (1-d)*theta with
+d = min((1+s)/(10+s), decay). Under ZeRO-3 the EMA holds this rank's shard only (`ds_tensor`),
+in fp32, so it costs 1/world of the adapter's memory.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def _local(p: torch.nn.Parameter) -> torch.Tensor:
+    return p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+
+
+class EMA:
+    def __init__(self, params: list[torch.nn.Parameter], decay: float = 0.9, update_interval: int = 8):
+        self.params, self.decay, self.interval = list(params), decay, update_interval
+        self.shadow = [_local(p).detach().float().clone() for p in self.params]
+        self.num_updates = 0
+
+    def decay_at(self, step: int) -> float:
+        return min((1 + step) / (10 + step), self.decay)
+
+    @torch.no_grad()
+    def step(self, global_step: int) -> bool:
+        """Call after optimizer step number `global_step` (1-based); returns True if it updated."""
+        if global_step % self.interval:
+            return False
+        d = self.decay_at(global_step)
+        for s, p in zip(self.shadow, self.params):
+            s.mul_(d).add_(_local(p).float(), alpha=1 - d)
+        self.num_updates += 1
+        return True
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Temporarily load the EMA weights into the parameters (eval, export)."""
+        with torch.no_grad():
+            backup = [_local(p).detach().clone() for p in self.params]
+            for s, p in zip(self.shadow, self.params):
+                _local(p).copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, self.params):
+                    _local(p).copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"shadow": [s.cpu() for s in self.shadow], "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError("EMA state does not match the trainable parameters")
+        for s, t in zip(self.shadow, state["shadow"]):
+            s.copy_(t)
+        self.num_updates = state["num_updates"]
