@@ -1,0 +1,96 @@
+"""Runs a configured set of rewards in the background, so scoring overlaps sampling.
+
+`submit()` hands a finished rollout batch to a thread pool (one task per reward, so a remote
+judge and local CLIP models score concurrently) and returns at once; `collect()` waits for all
+submitted batches and returns one array per reward in submission order. With `on_failure: mask`
+a reward that raises marks its samples invalid (counted), with `raise` the error stops the run.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from paco_ds.config import RewardSet
+from paco_ds.errors import RewardError
+from paco_ds.rewards.base import Reward, RewardResult
+from paco_ds.rewards.registry import build_reward
+from paco_ds.sampling.grid import to_pil
+
+log = logging.getLogger(__name__)
+
+
+class RewardRunner:
+    def __init__(self, spec: RewardSet, where: str = "rewards.train.terms", shared: dict[str, Reward] | None = None,
+                 **context):
+        """`shared`: already-built rewards to reuse when the name and arguments are the same."""
+        self.spec = spec
+        self.weights = {name: term.weight for name, term in spec.terms.items()}
+        self.rewards: dict[str, Reward] = {}
+        for name, term in spec.terms.items():
+            key = (name, tuple(sorted(term.kwargs.items())))
+            if shared is not None and key in shared:
+                self.rewards[name] = shared[key]
+            else:
+                self.rewards[name] = build_reward(name, term.kwargs, where=where, **context)
+                if shared is not None:
+                    shared[key] = self.rewards[name]
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.rewards)), thread_name_prefix="reward")
+        self.pending: list[tuple[int, dict[str, Future]]] = []
+        self.busy_seconds = 0.0  # summed time the reward functions ran
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def _run(self, name: str, reward: Reward, images, prompts, metadata, ref_images) -> RewardResult:
+        t0 = time.perf_counter()
+        try:
+            res = reward(images, prompts, metadata, ref_images)
+        except Exception as err:  # noqa: BLE001 - the policy decides, and the error is reported either way
+            if self.spec.on_failure == "raise":
+                if isinstance(err, RewardError):
+                    raise
+                raise RewardError(f"reward '{name}' failed: {type(err).__name__}: {err}") from err
+            log.warning("reward '%s' failed on %d samples (masked): %s", name, len(prompts), err)
+            with self._lock:
+                self.failures += len(prompts)
+            res = RewardResult.failed(len(prompts))
+        finally:
+            with self._lock:
+                self.busy_seconds += time.perf_counter() - t0
+        return res
+
+    def submit(self, images, prompts: list[str], metadata: list[dict], ref_images=None) -> None:
+        pil = to_pil(images)
+        futures = {name: self.pool.submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
+                   for name, r in self.rewards.items()}
+        self.pending.append((len(pil), futures))
+
+    def collect(self) -> dict[str, RewardResult]:
+        """Wait for everything submitted; concatenate per reward in submission order."""
+        pending, self.pending = self.pending, []
+        out: dict[str, list[RewardResult]] = {name: [] for name in self.rewards}
+        try:
+            for _, futures in pending:
+                for name, fut in futures.items():
+                    out[name].append(fut.result())
+        except BaseException:
+            for _, futures in pending:
+                for fut in futures.values():
+                    fut.cancel()
+            raise
+        return {name: RewardResult(np.concatenate([r.scores for r in rs]) if rs else np.zeros(0),
+                                   np.concatenate([r.valid for r in rs]) if rs else np.zeros(0, bool))
+                for name, rs in out.items()}
+
+    def score(self, images, prompts, metadata, ref_images=None) -> dict[str, RewardResult]:
+        """Synchronous convenience: submit one batch and collect it."""
+        self.submit(images, prompts, metadata, ref_images)
+        return self.collect()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for r in set(self.rewards.values()):
+            r.close()
