@@ -68,7 +68,6 @@ class ModelConfig(Section):
     tiny: bool = False
     tiny_spec: TinyModelConfig = Field(default_factory=TinyModelConfig)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    use_lora: bool = True
     lora: LoraConfig = Field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
     max_sequence_length: int = Field(512, gt=0)
@@ -206,6 +205,9 @@ class DeepSpeedSection(Section):
     config: str = "configs/deepspeed/zero3.json"  # engine config (relative to the repo or the recipe)
     zero_stage: int | None = Field(None, ge=0, le=3)  # overrides the file when set
     overrides: dict[str, Any] = Field(default_factory=dict)
+    # ZeRO-3 rollouts: gather the transformer once for the whole sampling phase ("once"), or let
+    # every denoising step gather and release it as a training forward does ("per_step").
+    rollout_gather: Literal["once", "per_step"] = "once"
 
 
 class LoggingConfig(Section):

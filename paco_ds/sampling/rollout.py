@@ -103,3 +103,21 @@ def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: 
     v = policy.velocity(module, x, traj.sigma[idx, t], traj.embeds.select(idx).to(dev), traj.height, traj.width, guidance)
     return sde_fn(x, v, traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), noise_level,
                   traj.sigma_max[idx].to(dev), prev_sample=traj.x_next[idx, t].to(dev), sde_type=sde_type)
+
+
+def gather_samples(entries: list[tuple[Trajectory, int]]) -> Trajectory:
+    """Stack single samples (possibly from different rollout batches) into one training batch.
+
+    All samples must share the image size: a training micro-batch is one transformer call.
+    """
+    first = entries[0][0]
+    if any((t.height, t.width) != (first.height, first.width) for t, _ in entries):
+        raise ValueError("a training micro-batch mixes image sizes; use train.batch_size 1 for mixed-size data")
+    cat = lambda name: torch.cat([getattr(t, name)[[i]] for t, i in entries])  # noqa: E731
+    return Trajectory(
+        prompts=[t.prompts[i] for t, i in entries], height=first.height, width=first.width,
+        embeds=TextEmbeds.cat([t.embeds.select([i]) for t, i in entries]), images=cat("images"),
+        steps=list(first.steps), x_t=cat("x_t"), x_next=cat("x_next"), sigma=cat("sigma"),
+        sigma_next=cat("sigma_next"), sigma_max=cat("sigma_max"), log_prob=cat("log_prob"),
+        metadata=[t.metadata[i] for t, i in entries], positions=[t.positions[i] for t, i in entries],
+        group_ids=[t.group_ids[i] for t, i in entries])

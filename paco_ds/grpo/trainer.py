@@ -1,0 +1,480 @@
+"""PaCo-GRPO on a DeepSpeed engine: the main job.
+
+One epoch, top to bottom (DESIGN.md):
+  1. sample   m prompts x k images with the pre-update weights; ODE steps except the noise steps,
+              which use the SDE and record log pi_old. Each finished batch goes to the reward
+              workers at once, so scoring overlaps sampling.
+  2. reward   collect the scores, gather them from all ranks.
+  3. advantage per-prompt GRPO over the gathered epoch (stat tracker), each rank keeps its own.
+  4. train    PPO-clip on the noised steps: one forward with grad per sample and step (a second,
+              adapter-disabled forward only when beta > 0); DeepSpeed accumulates, clips, steps;
+              the EMA steps once per optimizer step.
+Evaluation (ODE at the test resolution, the test reward set) and checkpoints happen at the start
+of an epoch, every `eval_freq` / `save_freq` epochs, and after the last one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import kernels
+from paco_ds.checkpoint import CheckpointManager
+from paco_ds.config import Config, config_to_yaml, derive
+from paco_ds.data import KRepeatSampler, PromptItem, load_prompts
+from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true, barrier,
+                                 setup_distributed)
+from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
+from paco_ds.errors import ConfigError, UserError
+from paco_ds.grpo.advantages import StatTracker
+from paco_ds.grpo.ema import EMA
+from paco_ds.metrics import MetricsLogger
+from paco_ds.models.base import Policy
+from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
+from paco_ds.rewards.runner import RewardRunner
+from paco_ds.sampling.grid import make_grid, to_pil
+from paco_ds.sampling.rollout import Trajectory, gather_samples, make_generator, sample_trajectories, transition_log_prob
+
+log = logging.getLogger(__name__)
+
+_PINNED = -7  # a sentinel "active sub-module" id that keeps ZeRO-3 from releasing gathered params
+
+
+class TrainingDiverged(UserError):
+    """Too many non-finite losses or rewards in a row."""
+
+    exit_code = 3
+
+
+def build_policy(cfg: Config, device: torch.device) -> Policy:
+    if cfg.model.family == "flux":
+        from paco_ds.models.flux import FluxPolicy
+
+        return FluxPolicy.load(cfg.model, device, seed=cfg.seed)
+    raise ConfigError(f"config key 'model.family': '{cfg.model.family}' has no policy implementation yet (flux)")
+
+
+@dataclass
+class EpochSamples:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    advantages: np.ndarray | None = None  # per local sample, in trajectory order
+    keep: np.ndarray | None = None
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.run_dir = cfg.run_dir
+        _seed_everything(cfg.seed)  # identical on every rank: the tiny model and LoRA init must agree
+        self.train_items = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
+        self.test_items = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file") \
+            if cfg.data.test_file else []
+        if cfg.data.max_test_prompts:
+            self.test_items = self.test_items[:cfg.data.max_test_prompts]
+        self.plan = derive(cfg, dist.world_size, dataset_size=len(self.train_items))
+
+        # Policy: frozen encoders/VAE per rank; the transformer (with LoRA) goes into the engine.
+        self.policy = build_policy(cfg, dist.device)
+        add_lora(self.policy.transformer, cfg.model.lora)
+        self.ds_config = build_ds_config(
+            load_ds_config(cfg.resolve_path(cfg.deepspeed.config)), micro_batch=cfg.train.batch_size,
+            grad_accum=self.plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,
+            bf16=self.policy.dtype == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage,
+            overrides=cfg.deepspeed.overrides)
+        trainable = [p for p in self.policy.transformer.parameters() if p.requires_grad]
+        self.engine = create_engine(self.policy.transformer, trainable, self.ds_config, lr=cfg.train.learning_rate,
+                                    betas=(cfg.train.adam_beta1, cfg.train.adam_beta2), eps=cfg.train.adam_epsilon,
+                                    weight_decay=cfg.train.weight_decay)
+        self.trainable = trainable
+        self.ema = EMA(trainable, cfg.train.ema.decay, cfg.train.ema.update_interval) if cfg.train.ema.enabled else None
+        self.forwards = 0  # transformer forward calls, to check one forward per trained sample and step
+        self.policy.transformer.register_forward_pre_hook(self._count_forward)
+
+        self.sampler = KRepeatSampler(len(self.train_items), cfg.sample.group_size, self.plan.prompts_per_epoch,
+                                      dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
+        shared: dict = {}
+        ctx = {"device": str(dist.device), "run_dir": self.run_dir}
+        self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, **ctx)
+        self.eval_rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else
+                                         "rewards.train.terms", shared, **ctx)
+        self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights)
+        self.sde = partial(kernels.sde_step, backend=cfg.kernels.backend)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.is_main)
+        self.logger: MetricsLogger | None = None
+        self.epoch = 0
+        self.global_step = 0
+        self.nonfinite_streak = 0
+
+    # ------------------------------------------------------------------------------------ loop
+    def fit(self, resume: str | None = None) -> None:
+        cfg = self.cfg
+        resumed = False
+        if resume:
+            self.load(self.ckpt.resolve(resume))
+            resumed = True
+        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.project, cfg.run_name, cfg.model_dump(mode="json"), resume=resumed)
+        if resumed:
+            self.logger.truncate_after(self.epoch)
+        if self.dist.is_main:
+            (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+            log.info("run directory: %s", self.run_dir)
+        while self.epoch < cfg.train.num_epochs:
+            metrics = {"epoch": self.epoch}
+            if _due(self.epoch, cfg.test.eval_freq):
+                metrics |= self.evaluate()
+            if _due(self.epoch, cfg.checkpoint.save_freq) and not resumed:
+                self.save()
+            resumed = False
+            t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
+            samples = self.sample_epoch()
+            t_sample = time.perf_counter() - t0
+            metrics |= self.score_epoch(samples)
+            t_reward = time.perf_counter() - t0 - t_sample
+            metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
+            metrics |= self.train_epoch(samples)
+            t_train = time.perf_counter() - t0 - t_sample - t_reward
+            metrics |= {"time/sample": t_sample, "time/reward_wait": t_reward, "time/train": t_train,
+                        "time/epoch": time.perf_counter() - t0, "global_step": self.global_step,
+                        "images_per_sec": self.plan.samples_per_epoch / (time.perf_counter() - t0)}
+            self.logger.log(metrics, step=self.epoch)
+            self._print_epoch(metrics)
+            self.epoch += 1
+        # After the last epoch: the same eval/save rule, so a later resume continues seamlessly.
+        final = {"epoch": self.epoch}
+        if _due(self.epoch, cfg.test.eval_freq):
+            final |= self.evaluate()
+            self.logger.log(final, step=self.epoch)
+        if cfg.checkpoint.save_freq:
+            self.save()
+        self.export_lora(self.run_dir / "lora")
+        if self.dist.is_main:
+            from paco_ds.report import write_report
+
+            report = write_report(self.run_dir)
+            print(f"report: {report}", flush=True)
+
+    # ------------------------------------------------------------------------------------ 1. sample
+    @contextlib.contextmanager
+    def rollout_module(self) -> Iterator[torch.nn.Module]:
+        """The transformer for sampling. Under ZeRO-3 with rollout_gather=once the parameters are
+        gathered once for the whole phase and pinned, instead of per denoising step."""
+        module = self.policy.transformer
+        was_training = module.training
+        module.eval()
+        try:
+            if zero_stage(self.ds_config) == 3 and self.cfg.deepspeed.rollout_gather == "once":
+                from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+                params = list(module.parameters())
+                with GatheredParameters(params):
+                    for p in params:
+                        p.ds_active_sub_modules.add(_PINNED)
+                    try:
+                        yield module
+                    finally:
+                        for p in params:
+                            p.ds_active_sub_modules.discard(_PINNED)
+            else:
+                yield self.engine
+        finally:
+            module.train(was_training)
+
+    def sample_epoch(self) -> EpochSamples:
+        cfg, out = self.cfg, EpochSamples()
+        batches = self.sampler.rank_batches(self.epoch)
+        with self.rollout_module() as module:
+            for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
+                for (h, w), picks in _by_size([(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)],
+                                              cfg.train.resolution):
+                    traj = self._rollout(module, picks, h, w)
+                    self.train_rewards.submit(traj.images, traj.prompts, traj.metadata)  # scores while we sample on
+                    out.trajectories.append(traj)
+        return out
+
+    def _rollout(self, module, picks: list[tuple[PromptItem, int, int]], h: int, w: int) -> Trajectory:
+        cfg, seed, epoch = self.cfg, self.cfg.seed, self.epoch
+        prompts = [it.prompt for it, _, _ in picks]
+        latent_keys = [(gid if cfg.sample.same_latent else f"p{pos}") for _, gid, pos in picks]
+        x0 = self.policy.initial_latents(len(picks), h, w, [make_generator(seed, "latent", epoch, k) for k in latent_keys])
+        traj = sample_trajectories(
+            self.policy, module, prompts, self.policy.encode_prompts(prompts), h, w,
+            num_steps=cfg.sample.num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
+            noise_steps=cfg.sample.noise_steps, train_steps=list(self.plan.train_timesteps),
+            generators=[make_generator(seed, "noise", epoch, pos) for _, _, pos in picks], initial_latents=x0,
+            sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+        traj.metadata = [it.metadata for it, _, _ in picks]
+        traj.group_ids = [gid for _, gid, _ in picks]
+        traj.positions = [pos for _, _, pos in picks]
+        return traj
+
+    # ------------------------------------------------------------------------------------ 2-3. reward, advantage
+    def score_epoch(self, samples: EpochSamples) -> dict:
+        results = self.train_rewards.collect()
+        trajs = samples.trajectories
+        local = {
+            "positions": np.array([p for t in trajs for p in t.positions], dtype=np.int64),
+            "groups": np.array([g for t in trajs for g in t.group_ids], dtype=np.int64),
+            "scores": {name: r.scores for name, r in results.items()},
+            "valid": np.logical_and.reduce([r.valid for r in results.values()]),
+        }
+        everyone = all_gather_object(local)
+        pos = np.concatenate([e["positions"] for e in everyone])
+        order = np.argsort(pos)
+        groups = np.concatenate([e["groups"] for e in everyone])[order]
+        valid = np.concatenate([e["valid"] for e in everyone])[order]
+        scores = {name: np.concatenate([e["scores"][name] for e in everyone])[order] for name in results}
+        adv = self.tracker.compute(scores, groups, valid)
+        where = np.searchsorted(pos[order], local["positions"])  # my samples in the sorted global order
+        samples.advantages, samples.keep = adv.advantages[where], adv.keep[where]
+
+        metrics = {f"adv/{k}": v for k, v in adv.stats.items()}
+        for name, s in scores.items():
+            ok = valid & np.isfinite(s)
+            metrics[f"reward/{name}/mean"] = float(s[ok].mean()) if ok.any() else float("nan")
+            metrics[f"reward/{name}/std"] = float(s[ok].std()) if ok.any() else float("nan")
+        metrics["reward/combined/mean"] = float(np.nanmean(adv.combined)) if np.isfinite(adv.combined).any() else float("nan")
+        metrics["reward/masked"] = float((~valid).sum())
+        metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
+        if self.dist.is_main and self.cfg.logging.num_train_images:
+            n = self.cfg.logging.num_train_images
+            images = [im for t in trajs for im in to_pil(t.images)][:n]
+            captions = [f"{s:.3g}" for s in adv.combined[where][:n]]
+            self.logger.save_image("train_samples", make_grid(images, captions=captions), self.epoch)
+        metrics["train/height"], metrics["train/width"] = float(trajs[0].height), float(trajs[0].width)
+        if not adv.keep.any():  # the same on every rank: computed from the gathered rewards
+            self._nonfinite("no sample of the epoch has a valid reward")
+        return metrics
+
+    # ------------------------------------------------------------------------------------ 4. train
+    def train_epoch(self, samples: EpochSamples) -> dict:
+        cfg = self.cfg
+        trajs = samples.trajectories
+        entries = [(trajs[ti], i) for ti, t in enumerate(trajs) for i in range(len(t))]
+        adv_of = {(id(t), i): float(a) for (t, i), a in zip(entries, samples.advantages)}
+        kept = [e for e, k in zip(entries, samples.keep) if k]
+        # ZeRO-3 runs collectives in every forward/backward: all ranks must do the same number of
+        # micro-steps. Ranks with fewer kept samples pad with zero-advantage steps (no gradient).
+        bs, steps_per_epoch = cfg.train.batch_size, cfg.train.optimizer_steps_per_epoch
+        n_micro = int(all_reduce_max(-(-len(kept) // bs)))
+        if n_micro == 0:
+            return {"train/micro_steps": 0.0}
+        n_micro = -(-n_micro // steps_per_epoch) * steps_per_epoch
+        timesteps = list(range(len(self.plan.train_timesteps)))
+        stats: dict[str, list[float]] = {}
+        first_ratio = None
+        self.forwards = 0
+        total = cfg.train.num_inner_epochs * n_micro * len(timesteps)
+        bar = tqdm(total=total, desc=f"epoch {self.epoch} train", disable=not self.dist.is_main, leave=False)
+        self.engine.train()
+        for inner in range(cfg.train.num_inner_epochs):
+            gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.rank)
+            pool = kept or entries
+            order = [pool[i] for i in torch.randperm(len(pool), generator=gen).tolist()]
+            padded = order + [None] * (n_micro * bs - len(order))  # None: a zero-advantage filler
+            group_len = n_micro * len(timesteps) // steps_per_epoch  # micro-steps per optimizer step
+            for m in range(n_micro):
+                chunk = padded[m * bs:(m + 1) * bs]
+                batch = gather_samples([e if e is not None else pool[j % len(pool)] for j, e in enumerate(chunk)])
+                adv = torch.tensor([adv_of[(id(e[0]), e[1])] if e is not None else 0.0 for e in chunk])
+                for t in timesteps:
+                    k = m * len(timesteps) + t
+                    step_stats = self._micro_step(batch, t, adv, boundary=(k + 1) % group_len == 0, scale=group_len)
+                    if first_ratio is None:
+                        first_ratio = step_stats["ratio"]
+                    for key, v in step_stats.items():
+                        stats.setdefault(key, []).append(v)
+                    bar.update(1)
+        bar.close()
+        out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite",)}
+        out = all_reduce_mean(out)
+        out["train/nonfinite_steps"] = float(sum(all_gather_object(sum(stats.get("nonfinite", [])))))
+        out["train/ratio_first"] = float(first_ratio)
+        out["train/micro_steps"] = float(total)
+        out["train/forwards_per_step"] = self.forwards / total
+        out["train/lr"] = float(self.engine.get_lr()[0])
+        return out
+
+    def _micro_step(self, batch: Trajectory, t: int, adv: torch.Tensor, boundary: bool, scale: int) -> dict:
+        cfg = self.cfg
+        step = transition_log_prob(self.policy, self.engine, batch, t, slice(None), guidance=cfg.sample.guidance_scale,
+                                   noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+        loss, st = kernels.ppo_clip_loss(step.log_prob, batch.log_prob[:, t].to(step.log_prob.device), adv.to(step.log_prob.device),
+                                         cfg.train.clip_range, cfg.advantage.clip, backend=cfg.kernels.backend)
+        kl = torch.zeros(())
+        if cfg.train.beta > 0:
+            with torch.no_grad(), self.policy.adapter_disabled(self.engine):
+                ref = transition_log_prob(self.policy, self.engine, batch, t, slice(None),
+                                          guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
+                                          sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+            kl = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=cfg.kernels.backend).mean()
+            loss = loss + cfg.train.beta * kl
+        skip = any_true(not bool(torch.isfinite(loss)), self.dist.device)
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        if skip:
+            # Every rank skips this backward together (ZeRO-3 collectives must match); the
+            # optimizer step still happens at the boundary with the other micro-steps' gradients.
+            self._nonfinite(f"non-finite loss at epoch {self.epoch}")
+        else:
+            self.nonfinite_streak = 0
+            self.engine.backward(loss / scale, scale_wrt_gas=False)
+        self.engine.step()
+        out = {k: float(v) for k, v in st.items()}
+        out.update(loss=float(loss.detach()), kl=float(kl), nonfinite=float(skip))
+        if boundary:
+            self.global_step += 1
+            if self.ema is not None:
+                self.ema.step(self.global_step)
+            norm = self.engine.get_global_grad_norm()
+            if norm is not None:
+                out["grad_norm"] = float(norm)
+        return out
+
+    def _nonfinite(self, what: str) -> None:
+        self.nonfinite_streak += 1
+        limit = self.cfg.train.max_consecutive_nonfinite
+        log.warning("%s (%d in a row, limit %d)", what, self.nonfinite_streak, limit)
+        if self.nonfinite_streak >= limit:
+            raise TrainingDiverged(f"stopping: {self.nonfinite_streak} non-finite losses/rewards in a row "
+                                   f"(train.max_consecutive_nonfinite={limit}); last: {what}")
+
+    def _count_forward(self, module, args) -> None:
+        self.forwards += 1
+
+    # ------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """ODE sampling of the test prompts at the test resolution with the test reward set."""
+        cfg = self.cfg
+        if not self.test_items:
+            return {}
+        t0 = time.perf_counter()
+        mine = [(i, it) for i, it in enumerate(self.test_items) if i % self.dist.world_size == self.dist.rank]
+        n_show = 16 if cfg.test.save_images else 0
+        records, shown = [], []
+        ema = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with ema, self.rollout_module() as module:
+            for start in range(0, len(mine), cfg.test.batch_size):
+                chunk = mine[start:start + cfg.test.batch_size]
+                for (h, w), picks in _by_size([(it, i, i) for i, it in chunk], cfg.test.resolution):
+                    prompts = [it.prompt for it, _, _ in picks]
+                    gens = [make_generator(cfg.seed, "eval", i) for _, i, _ in picks]  # by prompt, not by rank
+                    traj = sample_trajectories(self.policy, module, prompts, self.policy.encode_prompts(prompts), h, w,
+                                               num_steps=cfg.test.num_steps, guidance=cfg.sample.guidance_scale,
+                                               noise_level=0.0, noise_steps=[], train_steps=[], generators=gens,
+                                               sde_fn=self.sde)
+                    res = self.eval_rewards.score(traj.images, prompts, [it.metadata for it, _, _ in picks])
+                    for j, (_, i, _) in enumerate(picks):
+                        records.append((i, {n: float(r.scores[j]) for n, r in res.items()}, (h, w)))
+                        if i < n_show:
+                            shown.append((i, traj.images[j]))
+        everyone = sorted((r for rs in all_gather_object(records) for r in rs), key=lambda r: r[0])
+        metrics = {}
+        for name in self.eval_rewards.rewards:
+            s = np.array([r[1][name] for r in everyone], dtype=np.float64)
+            s = s[np.isfinite(s)]
+            metrics[f"eval/{name}/mean"] = float(s.mean()) if s.size else float("nan")
+            metrics[f"eval/{name}/std"] = float(s.std()) if s.size else float("nan")
+        metrics["eval/height"], metrics["eval/width"] = map(float, everyone[0][2])
+        metrics["time/eval"] = time.perf_counter() - t0
+        images = sorted((x for xs in all_gather_object(shown) for x in xs), key=lambda x: x[0])
+        if self.dist.is_main and images:
+            self.logger.save_image("eval", make_grid([to_pil(im[None])[0] for _, im in images]), self.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------------------------ state
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak,
+                "tracker": self.tracker.state_dict(), "ema": self.ema.state_dict() if self.ema else None}
+
+    def save(self) -> Path:
+        meta = {"epoch": self.epoch, "global_step": self.global_step, "world_size": self.dist.world_size,
+                "run_name": self.cfg.run_name}
+        path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), meta)
+        if self.dist.is_main:
+            log.info("checkpoint: %s", path)
+        return path
+
+    def load(self, path: Path) -> None:
+        state, meta = self.ckpt.load(self.engine, path)
+        if meta.get("world_size") != self.dist.world_size:
+            raise UserError(f"--resume {path}: written with world size {meta.get('world_size')}, "
+                            f"this run has {self.dist.world_size}")
+        self.epoch, self.global_step = state["epoch"], state["global_step"]
+        self.nonfinite_streak = state["nonfinite_streak"]
+        self.tracker.load_state_dict(state["tracker"])
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        if self.dist.is_main:
+            print(f"resumed from {path} at epoch {self.epoch}", flush=True)
+
+    def export_lora(self, out_dir: Path) -> Path | None:
+        """The (EMA when enabled) adapter in diffusers' format; collective under ZeRO-3."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        ema = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with ema, GatheredParameters(self.trainable, enabled=zero_stage(self.ds_config) == 3):
+            sd = lora_state_dict(self.policy.transformer) if self.dist.is_main else None
+        if self.dist.is_main:
+            path = export_lora(sd, out_dir, adapter_metadata(self.policy.transformer))
+            log.info("LoRA exported to %s", path)
+        barrier()
+        return out_dir if self.dist.is_main else None
+
+    def _print_epoch(self, m: dict) -> None:
+        if not self.dist.is_main:
+            return
+        rewards = " ".join(f"{k.split('/')[1]}={m[k]:.4g}" for k in m if k.startswith("reward/") and k.endswith("/mean"))
+        print(f"epoch {m['epoch']:4d} | {rewards} | loss={m.get('train/loss', float('nan')):.4g} "
+              f"ratio={m.get('train/ratio', float('nan')):.6f} clipfrac={m.get('train/clipfrac', float('nan')):.3f} "
+              f"| {m['time/epoch']:.1f}s", flush=True)
+
+    def close(self) -> None:
+        self.train_rewards.close()
+        self.eval_rewards.close()
+        if self.logger is not None:
+            self.logger.close()
+
+
+def _due(epoch: int, freq: int) -> bool:
+    return freq > 0 and epoch % freq == 0
+
+
+def _by_size(picks: list[tuple[PromptItem, int, int]], fallback: int):
+    """Split (item, group id, position) picks into runs of the same image size, keeping order."""
+    groups: dict[tuple[int, int], list] = {}
+    for p in picks:
+        groups.setdefault(p[0].size(fallback), []).append(p)
+    return list(groups.items())
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: Config, resume: str | None = None, export_only: str | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist = setup_distributed()
+    logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    trainer = GRPOTrainer(cfg, dist)
+    try:
+        if export_only:
+            trainer.load(trainer.ckpt.resolve(export_only))
+            trainer.export_lora(cfg.run_dir / "lora")
+            if dist.is_main:
+                print(f"LoRA: {cfg.run_dir / 'lora'}", flush=True)
+            return
+        trainer.fit(resume)
+    finally:
+        trainer.close()
