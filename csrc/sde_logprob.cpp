@@ -2,11 +2,12 @@
 //
 // One pass over x_t, v and x_{t+1} (or the noise, when sampling) gives the per-sample log-prob
 // without any fp32 copy of the latents: elements are widened to fp32 in registers, and the sum of
-// squared residuals is accumulated in fp32. The per-sample coefficients come from Python
-// (kernels/sde_logprob.py, `transition_coefficients`), so this file only knows the affine form
+// squared residuals is accumulated in fp32. Both transitions are affine in (x, v), with
+// per-sample coefficients computed once per row in double (`coefficients`):
 //
 //   mean     = cx * x + cv * v
-//   log_prob = -k1 * sum((x' - mean)^2) - k0
+//   x'       = mean + sd * noise              (sampling, rounded to the dtype of x)
+//   log_prob = -k1 * sum((x' - mean)^2) - k0  (sum over the N elements of the sample)
 //
 // Determinism: every row is cut into fixed chunks of kChunk elements (the parallel tasks); a
 // chunk is summed in kLanes independent lanes followed by a fixed tree, and the chunk partials of
@@ -20,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -66,9 +68,47 @@ float pairwise(const float* p, int64_t n) {
   return pairwise(p, h) + pairwise(p + h, n - h);
 }
 
-struct Row {  // per-sample coefficients, the layout of the coef tensor [B, 5]
-  float cx, cv, sd, k1, k0;
+struct Row {  // per-sample coefficients of the transition (see the comment at the top)
+  float cx, cv, sd, k1, k0, std_t;
 };
+
+// REFERENCE.md §2.1. sig = (sigma, sigma_next, sigma_max) of one sample; N = elements per sample.
+// Flow-GRPO: k1 = 1 / (2 N sd^2) and k0 = log(sd) + log(sqrt(2 pi)) make log_prob the mean of the
+// elementwise Gaussian log-density; CPS: k1 = 1 / N, k0 = 0 (the unnormalised -mean((x' - mean)^2)).
+Row coefficients(const float* sig, double a, int64_t sde_type, int64_t N) {
+  const double s = sig[0], sn = sig[1], smax = sig[2];
+  double cx, cv, sd, k1, k0, std_t;
+  if (sde_type == 0) {
+    const double dt = sn - s;
+    const double s_safe = s == 1.0 ? smax : s;  // sigma == 1 at step 0: the reference substitutes sigma_max
+    std_t = a * std::sqrt(s / (1 - s_safe));
+    cx = 1 + std_t * std_t / (2 * s) * dt;
+    cv = (1 + std_t * std_t * (1 - s) / (2 * s)) * dt;
+    sd = std_t * std::sqrt(-dt);
+    k1 = 1 / (2 * static_cast<double>(N) * sd * sd);
+    k0 = std::log(sd) + 0.5 * std::log(2 * M_PI);
+  } else {
+    // mean = (x - s v)(1 - sn) + (x + (1 - s) v) * root, regrouped by x and v
+    std_t = sn * std::sin(a * M_PI / 2);
+    const double root = std::sqrt(sn * sn - std_t * std_t);
+    cx = (1 - sn) + root;
+    cv = (1 - s) * root - s * (1 - sn);
+    sd = std_t;
+    k1 = 1 / static_cast<double>(N);
+    k0 = 0;
+  }
+  return {float(cx), float(cv), float(sd), float(k1), float(k0), float(std_t)};
+}
+
+std::vector<Row> rows_of(const at::Tensor& sig, double a, int64_t sde_type, int64_t B, int64_t N) {
+  TORCH_CHECK(sig.scalar_type() == at::kFloat && sig.is_contiguous() && sig.dim() == 2 && sig.size(0) == B &&
+                  sig.size(1) == 3,
+              "sig must be a contiguous float32 [B, 3] tensor (sigma, sigma_next, sigma_max)");
+  TORCH_CHECK(sde_type == 0 || sde_type == 1, "sde_type must be 0 (flow_grpo) or 1 (cps)");
+  std::vector<Row> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = coefficients(sig.const_data_ptr<float>() + 3 * b, a, sde_type, N);
+  return rows;
+}
 
 // ---------------------------------------------------------------- SDE log-prob, forward
 template <typename T, typename S, bool kSample, bool kMean>
@@ -179,6 +219,17 @@ void bwd_typed(const at::Tensor& x, const at::Tensor& v, const at::Tensor& xnext
 
 // ---------------------------------------------------------------- KL surrogate
 // kl[b] = scale[b] * sum((m - m_ref)^2) with scale = 1 / (2 N std^2); same reduction tree as above.
+std::vector<float> kl_scale(const at::Tensor& std_t, int64_t B, int64_t N) {
+  TORCH_CHECK(std_t.scalar_type() == at::kFloat && std_t.is_contiguous() && std_t.numel() == B,
+              "std must be a contiguous float32 [B] tensor");
+  std::vector<float> scale(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const double sd = std_t.const_data_ptr<float>()[b];
+    scale[b] = float(1 / (2 * static_cast<double>(N) * sd * sd));
+  }
+  return scale;
+}
+
 template <typename T>
 void kl_fwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale, float* out) {
   const int64_t B = m.size(0), N = m.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
@@ -233,13 +284,6 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes(), what, " must have the shape [B, N] of x");
 }
 
-const Row* rows_of(const at::Tensor& coef, int64_t B) {
-  TORCH_CHECK(coef.scalar_type() == at::kFloat && coef.is_contiguous() && coef.dim() == 2 && coef.size(0) == B &&
-                  coef.size(1) == 5,
-              "coef must be a contiguous float32 [B, 5] tensor");
-  return reinterpret_cast<const Row*>(coef.const_data_ptr<float>());
-}
-
 // Calls f(T{}, S{}) for the element type T of x and v and the type S of the third input (T or fp32).
 template <typename F>
 void dispatch2(at::ScalarType t, at::ScalarType s, F&& f) {
@@ -257,8 +301,9 @@ void dispatch2(at::ScalarType t, at::ScalarType s, F&& f) {
   }
 }
 
-void sde_fwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, const at::Tensor& coef, bool sample,
-             at::Tensor& log_prob, const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& mean) {
+void sde_fwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, const at::Tensor& sig,
+             double noise_level, int64_t sde_type, bool sample, at::Tensor& log_prob, at::Tensor& std_t,
+             const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& mean) {
   check_rows(x, x, "x");
   check_rows(v, x, "v");
   check_rows(src, x, sample ? "noise" : "prev_sample");
@@ -266,17 +311,22 @@ void sde_fwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, co
   TORCH_CHECK(!sample || (prev && prev->scalar_type() == x.scalar_type()), "sampling needs prev in the dtype of x");
   if (prev) check_rows(*prev, x, "prev");
   if (mean) check_rows(*mean, x, "mean");
-  TORCH_CHECK(log_prob.scalar_type() == at::kFloat && log_prob.is_contiguous() && log_prob.numel() == x.size(0),
-              "log_prob must be a contiguous float32 [B] tensor");
-  const Row* rows = rows_of(coef, x.size(0));
+  TORCH_CHECK(!mean || mean->scalar_type() == at::kFloat, "mean must be float32");
+  for (const at::Tensor* t : {&log_prob, &std_t})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == x.size(0),
+                "log_prob and std must be contiguous float32 [B] tensors");
+  const std::vector<Row> rows = rows_of(sig, noise_level, sde_type, x.size(0), x.size(1));
+  for (int64_t b = 0; b < x.size(0); ++b) std_t.mutable_data_ptr<float>()[b] = rows[b].std_t;
   dispatch2(x.scalar_type(), src.scalar_type(), [&](auto t, auto s) {
-    fwd_typed<decltype(t), decltype(s)>(x, v, src, rows, sample, log_prob.mutable_data_ptr<float>(), prev, mean);
+    fwd_typed<decltype(t), decltype(s)>(x, v, src, rows.data(), sample, log_prob.mutable_data_ptr<float>(), prev,
+                                        mean);
   });
 }
 
-void sde_bwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& xnext, const at::Tensor& coef,
-             const at::Tensor& grad_log_prob, const std::optional<at::Tensor>& grad_mean,
-             const std::optional<at::Tensor>& grad_v, const std::optional<at::Tensor>& grad_x) {
+void sde_bwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& xnext, const at::Tensor& sig,
+             double noise_level, int64_t sde_type, const at::Tensor& grad_log_prob,
+             const std::optional<at::Tensor>& grad_mean, const std::optional<at::Tensor>& grad_v,
+             const std::optional<at::Tensor>& grad_x) {
   check_rows(x, x, "x");
   check_rows(v, x, "v");
   check_rows(xnext, x, "prev_sample");
@@ -288,34 +338,38 @@ void sde_bwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& xnext, 
   TORCH_CHECK(grad_log_prob.scalar_type() == at::kFloat && grad_log_prob.is_contiguous() &&
                   grad_log_prob.numel() == x.size(0),
               "grad_log_prob must be a contiguous float32 [B] tensor");
-  const Row* rows = rows_of(coef, x.size(0));
+  const std::vector<Row> rows = rows_of(sig, noise_level, sde_type, x.size(0), x.size(1));
   dispatch2(x.scalar_type(), xnext.scalar_type(), [&](auto t, auto s) {
-    bwd_typed<decltype(t), decltype(s)>(x, v, xnext, rows, grad_log_prob.const_data_ptr<float>(), grad_mean, grad_v,
-                                        grad_x);
+    bwd_typed<decltype(t), decltype(s)>(x, v, xnext, rows.data(), grad_log_prob.const_data_ptr<float>(), grad_mean,
+                                        grad_v, grad_x);
   });
 }
 
-void kl_fwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& scale, at::Tensor& out) {
+void kl_fwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& std_t, at::Tensor& out) {
   check_rows(m, m, "mean");
   check_rows(mr, m, "mean_ref");
   TORCH_CHECK(mr.scalar_type() == m.scalar_type(), "mean and mean_ref must share a dtype");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  out.is_contiguous() && scale.numel() == m.size(0) && out.numel() == m.size(0),
-              "scale and out must be contiguous float32 [B] tensors");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == m.size(0),
+              "out must be a contiguous float32 [B] tensor");
+  const std::vector<float> scale = kl_scale(std_t, m.size(0), m.size(1));
   dispatch2(m.scalar_type(), m.scalar_type(), [&](auto t, auto) {
-    kl_fwd_typed<decltype(t)>(m, mr, scale.const_data_ptr<float>(), out.mutable_data_ptr<float>());
+    kl_fwd_typed<decltype(t)>(m, mr, scale.data(), out.mutable_data_ptr<float>());
   });
 }
 
-void kl_bwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& scale, const at::Tensor& grad_out,
+void kl_bwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& std_t, const at::Tensor& grad_out,
             const std::optional<at::Tensor>& grad_m, const std::optional<at::Tensor>& grad_mr) {
   check_rows(m, m, "mean");
   check_rows(mr, m, "mean_ref");
+  TORCH_CHECK(mr.scalar_type() == m.scalar_type(), "mean and mean_ref must share a dtype");
   if (grad_m) check_rows(*grad_m, m, "grad_mean");
   if (grad_mr) check_rows(*grad_mr, m, "grad_mean_ref");
+  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.is_contiguous() && grad_out.numel() == m.size(0),
+              "grad_out must be a contiguous float32 [B] tensor");
+  const std::vector<float> scale = kl_scale(std_t, m.size(0), m.size(1));
   dispatch2(m.scalar_type(), m.scalar_type(), [&](auto t, auto) {
     using T = decltype(t);
-    kl_bwd_typed<T>(m, mr, scale.const_data_ptr<float>(), grad_out.const_data_ptr<float>(),
+    kl_bwd_typed<T>(m, mr, scale.data(), grad_out.const_data_ptr<float>(),
                     grad_m ? grad_m->mutable_data_ptr<T>() : nullptr, grad_mr ? grad_mr->mutable_data_ptr<T>() : nullptr);
   });
 }
@@ -323,14 +377,15 @@ void kl_bwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& scale, 
 }  // namespace
 
 TORCH_LIBRARY(paco_kernels, m) {
-  m.def("sde_fwd(Tensor x, Tensor v, Tensor src, Tensor coef, bool sample, Tensor(a!) log_prob, "
-        "Tensor(b!)? prev, Tensor(c!)? mean) -> ()",
+  // sig: [B, 3] float32 (sigma, sigma_next, sigma_max); sde_type: 0 flow_grpo, 1 cps
+  m.def("sde_fwd(Tensor x, Tensor v, Tensor src, Tensor sig, float noise_level, int sde_type, bool sample, "
+        "Tensor(a!) log_prob, Tensor(b!) std, Tensor(c!)? prev, Tensor(d!)? mean) -> ()",
         &sde_fwd);
-  m.def("sde_bwd(Tensor x, Tensor v, Tensor prev_sample, Tensor coef, Tensor grad_log_prob, Tensor? grad_mean, "
-        "Tensor(a!)? grad_v, Tensor(b!)? grad_x) -> ()",
+  m.def("sde_bwd(Tensor x, Tensor v, Tensor prev_sample, Tensor sig, float noise_level, int sde_type, "
+        "Tensor grad_log_prob, Tensor? grad_mean, Tensor(a!)? grad_v, Tensor(b!)? grad_x) -> ()",
         &sde_bwd);
-  m.def("kl_fwd(Tensor mean, Tensor mean_ref, Tensor scale, Tensor(a!) out) -> ()", &kl_fwd);
-  m.def("kl_bwd(Tensor mean, Tensor mean_ref, Tensor scale, Tensor grad_out, Tensor(a!)? grad_mean, "
+  m.def("kl_fwd(Tensor mean, Tensor mean_ref, Tensor std, Tensor(a!) out) -> ()", &kl_fwd);
+  m.def("kl_bwd(Tensor mean, Tensor mean_ref, Tensor std, Tensor grad_out, Tensor(a!)? grad_mean, "
         "Tensor(b!)? grad_mean_ref) -> ()",
         &kl_bwd);
 }

@@ -82,8 +82,9 @@ def sde_step(x, v, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sampl
              sde_type="flow_grpo", backend="auto", return_mean=True) -> SDEStep:
     """One SDE (or ODE) step with its per-sample log-prob; see paco_ds.sampling.sde.sde_step.
 
-    The stochastic step runs the fused op of kernels/sde_logprob.py; `return_mean=False` skips
-    writing the fp32 mean (then `SDEStep.mean` is None), which the loss only needs for the KL term.
+    The entry point of the fused log-prob op (kernels/sde_logprob.py) for every backend.
+    `return_mean=False` skips writing the fp32 mean (then `SDEStep.mean` is None), which the loss
+    needs only for the KL term.
     """
     which = resolve(backend, x.device)
     if which == "torch" or noise_level == 0 or not _sde.supports(x, v):
@@ -93,8 +94,6 @@ def sde_step(x, v, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sampl
     return _sde.sde_logprob(x, v, sigma, sigma_next, noise_level, sigma_max, prev_sample=prev_sample, noise=noise,
                             sde_type=sde_type, return_mean=return_mean, backend=which)
 
-
-sde_logprob = sde_step
 
 
 def kl_to_reference(mean, mean_ref, std, backend="auto"):

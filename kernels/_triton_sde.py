@@ -4,8 +4,13 @@ This module is imported on the first Triton launch, not with `kernels`: `@triton
 TRITON_INTERPRET when a kernel is defined, so setting it any time before that first launch makes
 the kernels run in the interpreter (CPU tests).
 """
+import math
+
 import triton
 import triton.language as tl
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+HALF_PI = 0.5 * math.pi
 
 
 @triton.jit
@@ -20,15 +25,43 @@ def narrow(y, DST: tl.constexpr):
     else:
         return y.to(DST)
 
+@triton.jit
+def coefficients(sig_ptr, b, a, N, SDE_TYPE: tl.constexpr):
+    """(cx, cv, sd, k1, k0, std_t) of sample b, computed in fp64, returned in fp32 (csrc/ has the
+    same function and the formulas' derivation). sig_ptr: [B, 3] (sigma, sigma_next, sigma_max)."""
+    s = tl.load(sig_ptr + b * 3).to(tl.float64)
+    sn = tl.load(sig_ptr + b * 3 + 1).to(tl.float64)
+    a = tl.cast(a, tl.float64)
+    if SDE_TYPE == 0:
+        s_max = tl.load(sig_ptr + b * 3 + 2).to(tl.float64)
+        dt = sn - s
+        s_safe = tl.where(s == 1.0, s_max, s)  # sigma == 1 at step 0: the reference substitutes sigma_max
+        std_t = a * tl.sqrt(s / (1.0 - s_safe))
+        cx = 1.0 + std_t * std_t / (2.0 * s) * dt
+        cv = (1.0 + std_t * std_t * (1.0 - s) / (2.0 * s)) * dt
+        sd = std_t * tl.sqrt(-dt)
+        k1 = 1.0 / (2.0 * tl.cast(N, tl.float64) * sd * sd)
+        k0 = tl.log(sd) + LOG_SQRT_2PI
+    else:
+        std_t = sn * tl.sin(a * HALF_PI)
+        root = tl.sqrt(sn * sn - std_t * std_t)
+        cx = (1.0 - sn) + root
+        cv = (1.0 - s) * root - s * (1.0 - sn)
+        sd = std_t
+        k1 = 1.0 / tl.cast(N, tl.float64)
+        k0 = tl.full([], 0.0, tl.float64)
+    return (cx.to(tl.float32), cv.to(tl.float32), sd.to(tl.float32), k1.to(tl.float32), k0.to(tl.float32),
+            std_t.to(tl.float32))
+
+
 
 @triton.jit
-def sde_fwd(x_ptr, v_ptr, src_ptr, coef_ptr, partial_ptr, prev_ptr, mean_ptr, N, n_chunk,
+def sde_fwd(x_ptr, v_ptr, src_ptr, sig_ptr, a, partial_ptr, prev_ptr, mean_ptr, N, n_chunk, SDE_TYPE: tl.constexpr,
             SAMPLE: tl.constexpr, WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # one chunk of one row: partial[b, c] = sum over the chunk of (x' - mean)^2
     c = tl.program_id(0)
     b = tl.program_id(1)
-    cx = tl.load(coef_ptr + b * 5)
-    cv = tl.load(coef_ptr + b * 5 + 1)
-    sd = tl.load(coef_ptr + b * 5 + 2)
+    cx, cv, sd, _, _, _ = coefficients(sig_ptr, b, a, N, SDE_TYPE)
     row = b.to(tl.int64) * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in tl.static_range(0, CHUNK, BLOCK):
@@ -52,31 +85,44 @@ def sde_fwd(x_ptr, v_ptr, src_ptr, coef_ptr, partial_ptr, prev_ptr, mean_ptr, N,
 
 
 @triton.jit
-def row_finalize(partial_ptr, coef_ptr, out_ptr, n_chunk, COEF_STRIDE: tl.constexpr, SDE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # out[b] = -k1 * S - k0 (log-prob) or scale * S (KL), S = the row's chunk partials in a fixed tree
-    b = tl.program_id(0)
+def row_sum(partial_ptr, b, n_chunk, BLOCK: tl.constexpr):
+    # the row's chunk partials, summed in a fixed tree
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_chunk, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(partial_ptr + b * n_chunk + offs, mask=offs < n_chunk, other=0.0)
-    total = tl.sum(acc, axis=0)
-    if SDE:
-        out = -tl.load(coef_ptr + b * COEF_STRIDE + 3) * total - tl.load(coef_ptr + b * COEF_STRIDE + 4)
-    else:
-        out = tl.load(coef_ptr + b * COEF_STRIDE) * total
-    tl.store(out_ptr + b, out)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def sde_bwd(x_ptr, v_ptr, xn_ptr, coef_ptr, g_ptr, gm_ptr, gv_ptr, gx_ptr, N,
+def sde_finalize(partial_ptr, sig_ptr, a, lp_ptr, std_ptr, N, n_chunk, SDE_TYPE: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    _, _, _, k1, k0, std_t = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    tl.store(lp_ptr + b, -k1 * row_sum(partial_ptr, b, n_chunk, BLOCK) - k0)
+    tl.store(std_ptr + b, std_t)
+
+
+@triton.jit
+def kl_finalize(partial_ptr, std_ptr, out_ptr, N, n_chunk, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    tl.store(out_ptr + b, kl_scale(std_ptr, b, N) * row_sum(partial_ptr, b, n_chunk, BLOCK))
+
+
+@triton.jit
+def kl_scale(std_ptr, b, N):
+    # 1 / (2 N std^2), in fp64 as in csrc/
+    sd = tl.load(std_ptr + b).to(tl.float64)
+    return (1.0 / (2.0 * tl.cast(N, tl.float64) * sd * sd)).to(tl.float32)
+
+
+@triton.jit
+def sde_bwd(x_ptr, v_ptr, xn_ptr, sig_ptr, a, g_ptr, gm_ptr, gv_ptr, gx_ptr, N, SDE_TYPE: tl.constexpr,
             HAS_GM: tl.constexpr, WRITE_GV: tl.constexpr, WRITE_GX: tl.constexpr, BLOCK: tl.constexpr):
     # d lp / d v = cv * e, d lp / d x = cx * e, e = 2 k1 g (x' - mean) (+ g_mean); mean recomputed
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    cx = tl.load(coef_ptr + b * 5)
-    cv = tl.load(coef_ptr + b * 5 + 1)
-    gd = 2.0 * tl.load(coef_ptr + b * 5 + 3) * tl.load(g_ptr + b)
+    cx, cv, _, k1, _, _ = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    gd = 2.0 * k1 * tl.load(g_ptr + b)
     row = b.to(tl.int64) * N
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -108,12 +154,12 @@ def kl_fwd(a_ptr, b_ptr, partial_ptr, N, n_chunk, CHUNK: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def kl_bwd(a_ptr, b_ptr, scale_ptr, g_ptr, ga_ptr, gb_ptr, N,
+def kl_bwd(a_ptr, b_ptr, std_ptr, g_ptr, ga_ptr, gb_ptr, N,
            WRITE_GA: tl.constexpr, WRITE_GB: tl.constexpr, BLOCK: tl.constexpr):
     # d kl / d mean = 2 scale g (mean - mean_ref) = -d kl / d mean_ref
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    k = 2.0 * tl.load(scale_ptr + b) * tl.load(g_ptr + b)
+    k = 2.0 * kl_scale(std_ptr, b, N) * tl.load(g_ptr + b)
     row = b.to(tl.int64) * N
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
