@@ -44,6 +44,9 @@ def _sigmas(x: torch.Tensor, sigma, sigma_next, sigma_max) -> torch.Tensor:
     values = (sigma, sigma_next, sigma if sigma_max is None else sigma_max)
     if all(isinstance(v, numbers.Real) for v in values):
         return torch.tensor([values], dtype=torch.float32).expand(b, 3).contiguous().to(x.device)
+    if all(isinstance(v, torch.Tensor) and v.shape == (b,) and v.dtype == torch.float32 and v.device == x.device
+           for v in values):
+        return torch.stack(values, dim=1)  # the common case, in one op
     cols = [torch.as_tensor(v, dtype=torch.float32, device=x.device) for v in values]
     return torch.stack([c.expand(b) if c.ndim == 0 else c.reshape(b) for c in cols], dim=1).contiguous()
 
