@@ -160,7 +160,8 @@ void fwd_rows(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, c
                                                    rows[b]);
     }
   });
-  for (int64_t b = 0; b < B; ++b) log_prob[b] = -rows[b].k1 * pairwise(partial.data() + b * nchunk, nchunk) - rows[b].k0;
+  for (int64_t b = 0; b < B; ++b)
+    log_prob[b] = -rows[b].k1 * pairwise(partial.data() + b * nchunk, nchunk) - rows[b].k0;
 }
 
 template <typename T, typename S>
@@ -284,7 +285,8 @@ void kl_bwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale,
 // ---------------------------------------------------------------- dtype dispatch and checks
 void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
-  TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes(), what, " must have the shape [B, N] of x");
+  TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.numel() > 0, what,
+              " must have the non-empty shape [B, N] of x");
 }
 
 // Calls f(T{}, S{}) for the element type T of x and v and the type S of the third input (T or fp32).
