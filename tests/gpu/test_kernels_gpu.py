@@ -48,9 +48,8 @@ def test_ppo_clip_loss_matches_float64():
 
 
 def test_cuda_and_cpu_backends_agree():
-    x, v = torch.randn(2, 2, 1024, 64).bfloat16().unbind(0)
-    noise = torch.randn(1024, 64)
-    x, v, noise = x[None], v[None], noise[None]
+    x, v, noise = (torch.randn(2, 1024, 64) for _ in range(3))
+    x, v = x.bfloat16(), v.bfloat16()
     cpu = kernels.sde_step(x, v, 0.94, 0.88, 0.7, 0.95, noise=noise, backend="cpp")
     gpu = kernels.sde_step(x.cuda(), v.cuda(), 0.94, 0.88, 0.7, 0.95, prev_sample=cpu.prev_sample.cuda(),
                            backend="triton")
