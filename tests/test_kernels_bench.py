@@ -10,7 +10,7 @@ def test_bench_quick_run_writes_json_and_png(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "cpu.json").read_text())
     assert (tmp_path / "cpu.png").stat().st_size > 0
-    assert report["command"].startswith("python -m kernels.bench --quick")
+    assert report["command"].startswith("OMP_NUM_THREADS=1 python -m kernels.bench --quick --ops")
     assert report["machine"]["cores"] and report["machine"]["torch"] and report["copy_bandwidth_gbs"] > 0
     rows = {(r["op"], r["backend"]) for r in report["results"]}
     assert {("sde_fwd_bwd", "torch"), ("sde_fwd_bwd", "cpp"), ("advantages", "torch")} <= rows

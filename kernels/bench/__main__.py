@@ -371,7 +371,9 @@ def main(argv=None) -> int:
 
     print_table(rows)
     slug = device_slug(device)
-    report = {"command": "python -m kernels.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    command = " ".join([f"{env}python -m kernels.bench", *(sys.argv[1:] if argv is None else argv)])
+    report = {"command": command,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(device),
               "copy_bandwidth_gbs": copy_gbs, "copy_bytes": 2 * large, "copy_curve": curve,
               "bytes_model": {"sde_fwd": "read x, v, x'", "sde_fwd_bwd": "fwd reads x, v, x'; bwd reads them again "
