@@ -2,7 +2,7 @@
 
 Why a JIT build: the ops are compiled for the instruction set of the machine they run on (AVX2 or
 AVX-512 when torch reports it), which a prebuilt wheel cannot do, and the project installs in
-editable mode anyway. The build (about 10 s) is cached under $TORCH_EXTENSIONS_DIR when set, else
+editable mode anyway. The build (about 15 s) is cached under $TORCH_EXTENSIONS_DIR when set, else
 <repo>/.torch_extensions, in a folder per torch version. If it fails (no compiler, no headers),
 `ops()` warns once and returns None, and the dispatcher falls back to the torch reference.
 """
