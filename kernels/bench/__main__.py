@@ -266,8 +266,8 @@ def plot(path: Path, rows: list[dict], curve: list[dict], copy_gbs: float, title
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = [op for op in SDE_OPS if any(r["op"] == op for r in rows)]
-    fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(4.2 * max(1, len(ops)), 3.8), squeeze=False)
+    ops = [op for op in SDE_OPS if any(r["op"] == op for r in rows)] or ["copy"]  # at least the copy curve
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
         ax.plot([c["bytes"] for c in curve], [c["gbs"] for c in curve], color="0.6", marker=".", label="copy")
         ax.axhline(copy_gbs, color="0.6", linestyle="--", linewidth=0.8)
