@@ -1,0 +1,148 @@
+"""GRPO advantages and the PPO-clip loss as tensor ops (REFERENCE.md §5, §1.5).
+
+Why: the numpy reference (`paco_ds.grpo.advantages`, `paco_ds.rewards.aggregate`) loops over
+groups on the host; on GPU the advantage step of an epoch is one Triton launch over the gathered
+[K, N] rewards, and the PPO-clip loss with its statistics is one launch forward and one backward.
+
+`grpo_advantages` implements the centred path of the reference: optional log-tame of the reward
+types (coefficient of variation over the batch above a threshold -> log(1 + r)), the weighted sum,
+then (R - group mean) / std with a global or per-group std floored at `std_floor`, then the clip.
+It computes in fp64, as the reference does; the torch version below is also the CPU path.
+Rank-GRPO, uncentred aggregations and the all-singleton-groups fallback stay in the StatTracker.
+
+`ppo_clip_loss` returns what `paco_ds.grpo.loss.ppo_clip_loss` returns, with the gradient of
+autograd's own rule (see `_triton_grpo.ppo_bwd`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from paco_ds.errors import RewardError
+
+STATS = ("unclipped_loss", "clipped_loss", "ratio", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one")
+_TAME = {None: 0, "mean": 1, "median": 2}
+ADV_BLOCK = 64  # samples per program of the advantage kernel (and the tile edge of its group search)
+PPO_BLOCK = 1024
+
+
+class Advantages(NamedTuple):
+    advantages: torch.Tensor  # [N] fp64
+    combined: torch.Tensor  # [N] fp64: the aggregated reward of each sample
+    cv: torch.Tensor | None  # [K] fp64: coefficient of variation of each reward type (log-tame only)
+    tamed: torch.Tensor | None  # [K] bool: the reward types that were log-tamed
+    threshold: torch.Tensor | None  # fp64 scalar: the log-tame threshold that was applied
+
+
+def _tame_code(log_tame) -> int:
+    if isinstance(log_tame, str) or log_tame is None:
+        if log_tame not in _TAME:
+            raise ValueError(f"log_tame must be None, 'mean', 'median' or a number, not {log_tame!r}")
+        return _TAME[log_tame]
+    return 3
+
+
+def _check_tamed(rewards: torch.Tensor, tamed: torch.Tensor | None) -> None:
+    if tamed is None:
+        return
+    bad = tamed & (rewards.amin(dim=1) <= -1)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0])
+        raise RewardError(f"log_tame: reward type {k} has values <= -1 "
+                          f"(min {rewards[k].min().item():.4g}); log(1+r) is undefined")
+
+
+def advantages_torch(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, *, log_tame=None,
+                     global_std: bool = True, std_floor: float = 1e-6, clip: float = 5.0) -> Advantages:
+    """The torch version (fp64 on CPU: index_add_ is deterministic there), results on the input device."""
+    device = rewards.device
+    r = rewards.detach().to("cpu", torch.float64).clone()
+    w = weights.to("cpu", torch.float64)
+    cv = tamed = tau = None
+    code = _tame_code(log_tame)
+    if code:
+        cv = r.std(dim=1, unbiased=False) / (r.mean(dim=1) + 1e-6)
+        tau = cv.mean() if code == 1 else cv.quantile(0.5) if code == 2 else torch.tensor(float(log_tame),
+                                                                                            dtype=torch.float64)
+        tamed = cv > tau
+        _check_tamed(r, tamed)
+        r[tamed] = torch.log1p(r[tamed])
+    combined = (w[:, None] * r).sum(dim=0)
+    _, inverse = torch.unique(group_ids.to("cpu"), return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.bincount(inverse, minlength=n_groups).double()
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, combined) / count
+    centred = combined - mean[inverse]
+    if global_std:
+        std = combined.std(unbiased=False).clamp_min(std_floor)
+    else:
+        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inverse, centred**2) / count
+        std = var.sqrt().clamp_min(std_floor)[inverse]
+    adv = (centred / std).clamp(-clip, clip)
+    to = (lambda t: None if t is None else t.to(device))
+    return Advantages(adv.to(device), combined.to(device), to(cv), to(tamed), to(tau))
+
+
+def advantages_triton(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, *, log_tame=None,
+                      global_std: bool = True, std_floor: float = 1e-6, clip: float = 5.0) -> Advantages:
+    from kernels import _triton_grpo
+
+    code = _tame_code(log_tame)
+    k, n = rewards.shape
+    dev = rewards.device
+    r = rewards.detach().to(torch.float64).contiguous()
+    w = weights.to(dev, torch.float64).contiguous()
+    g = group_ids.to(dev, torch.int64).contiguous()
+    params = torch.tensor([float(log_tame) if code == 3 else 0.0, std_floor, clip], dtype=torch.float64, device=dev)
+    adv = torch.empty(n, dtype=torch.float64, device=dev)
+    combined = torch.empty_like(adv)
+    cv = torch.empty(k, dtype=torch.float64, device=dev)
+    tamed = torch.empty(k, dtype=torch.int32, device=dev)
+    tau = torch.empty((), dtype=torch.float64, device=dev)
+    block_k = max(2, 1 << (k - 1).bit_length())
+    _triton_grpo.grpo_advantages[(-(-n // ADV_BLOCK),)](r, w, g, params, adv, combined, cv, tamed, tau, k, n,
+                                                        TAME=code, GLOBAL_STD=global_std, BLOCK_K=block_k,
+                                                        BLOCK=ADV_BLOCK)
+    if not code:
+        return Advantages(adv, combined, None, None, None)
+    _check_tamed(r, tamed.bool())
+    return Advantages(adv, combined, cv, tamed.bool(), tau)
+
+
+class PPOClipFn(torch.autograd.Function):
+    """(loss, stats [6]) of the PPO-clip objective; gradients to log_prob and old_log_prob."""
+
+    @staticmethod
+    def forward(ctx, log_prob, old_log_prob, adv, clip_range: float, adv_clip: float):
+        from kernels import _triton_grpo
+
+        b = log_prob.shape[0]
+        out = torch.empty(7, dtype=torch.float32, device=log_prob.device)
+        _triton_grpo.ppo_fwd[(1,)](log_prob, old_log_prob, adv, out, b, 1 - clip_range, 1 + clip_range, clip_range,
+                                   adv_clip, BLOCK=min(PPO_BLOCK, max(16, 1 << (b - 1).bit_length())))
+        ctx.save_for_backward(log_prob, old_log_prob, adv)
+        ctx.clip = (clip_range, adv_clip)
+        stats = out[1:]
+        ctx.mark_non_differentiable(stats)
+        return out[0], stats
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_stats):
+        from kernels import _triton_grpo
+
+        log_prob, old_log_prob, adv = ctx.saved_tensors
+        clip_range, adv_clip = ctx.clip
+        b = log_prob.shape[0]
+        grad = torch.empty(b, dtype=torch.float32, device=log_prob.device)
+        _triton_grpo.ppo_bwd[(-(-b // PPO_BLOCK),)](log_prob, old_log_prob, adv, g_loss.float().contiguous(), grad, b,
+                                                   1 - clip_range, 1 + clip_range, adv_clip, BLOCK=PPO_BLOCK)
+        need_lp, need_old = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        return grad if need_lp else None, -grad if need_old else None, None, None, None
+
+
+def ppo_clip_loss_triton(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
+    """(scalar loss, detached statistics) with the keys of the torch reference."""
+    flat = [t.reshape(-1).float().contiguous() for t in (log_prob, old_log_prob, advantages)]
+    loss, stats = PPOClipFn.apply(*flat, float(clip_range), float(adv_clip))
+    return loss, {"policy_loss": loss.detach(), **dict(zip(STATS, stats.unbind(0)))}

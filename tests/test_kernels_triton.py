@@ -1,0 +1,76 @@
+"""The Triton kernels: in the interpreter on CPU (small sizes), compiled where CUDA is present.
+
+TRITON_INTERPRET must be set before `import triton` (triton.language's own helpers are @triton.jit
+functions), and any earlier test may import triton (deepspeed does). So on CPU this module runs
+itself in a subprocess that starts with TRITON_INTERPRET=1 (`test_in_the_interpreter`), where the
+kernel tests run; in the parent process they are skipped. On a CUDA machine they run here,
+compiled.
+"""
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import run_cli
+from kernel_checks import (check_advantages, check_kl, check_ppo, check_rollout_equals_training, check_sampling,
+                           check_scoring)
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+kernel_test = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED,
+                                 reason="runs in the TRITON_INTERPRET=1 subprocess of test_in_the_interpreter")
+# 37 x 61 is below one block of 1024; 65 x 70 spans 3 chunks of 2048 with a ragged tail.
+SHAPES = [(3, 37, 61), (2, 65, 70)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="the kernels run in this process")
+def test_in_the_interpreter():
+    out = run_cli("-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, timeout=600,
+                  env={"TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", out.stdout.strip().splitlines()[-1])
+    assert passed and int(passed.group(1)) >= 28, out.stdout[-2000:]  # every kernel test ran
+
+
+@kernel_test
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "cps"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scoring_matches_float64(dtype, sde_type, shape):
+    check_scoring("triton", dtype, sde_type, shape, DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "cps"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_sampling_matches_float64(dtype, sde_type):
+    check_sampling("triton", dtype, sde_type, SHAPES[1], DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "cps"])
+def test_rollout_and_training_log_probs_are_bitwise_equal(sde_type):
+    check_rollout_equals_training("triton", torch.bfloat16, sde_type, (3, 65, 70), DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kl_matches_float64(dtype):
+    check_kl("triton", dtype, (2, 65, 70), DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("global_std", [True, False])
+@pytest.mark.parametrize("log_tame", [None, "mean", "median", 0.5])
+def test_advantages_match_the_stat_tracker(log_tame, global_std):
+    check_advantages("triton", log_tame, global_std, DEVICE)
+
+
+@kernel_test
+@pytest.mark.parametrize("b", [37, 1500])  # one block, and several blocks of 1024 in backward
+def test_ppo_clip_loss_matches_float64(b):
+    check_ppo("triton", DEVICE, b=b)
