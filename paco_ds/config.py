@@ -187,6 +187,7 @@ class RewardSet(Section):
 class RewardsConfig(Section):
     train: RewardSet
     test: RewardSet | None = None  # None: the train set (decoupled when given)
+    overlap: bool = True  # score each rollout batch while the next one samples (False: score in line)
 
     @property
     def eval(self) -> RewardSet:
@@ -404,7 +405,8 @@ def _model_fields(model: type[BaseModel], path: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _format_validation_error(err: ValidationError, locs: dict[tuple, str], source: str) -> str:
+def _format_validation_error(err: ValidationError, locs: dict[tuple, str], source: str,
+                             schema: type[BaseModel]) -> str:
     e = err.errors()[0]
     loc = tuple(str(x) for x in e["loc"])
     dotted = ".".join(loc)
@@ -420,7 +422,7 @@ def _format_validation_error(err: ValidationError, locs: dict[tuple, str], sourc
     if named:
         where = min(named)[1]
     if e["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(loc[-1], _model_fields(Config, loc[:-1]), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(loc[-1], _model_fields(schema, loc[:-1]), n=1, cutoff=0.6)
         hint = f" (did you mean '{'.'.join(loc[:-1] + (close[0],))}'?)" if close else ""
         return f"{where}: unknown config key '{dotted}'{hint}"
     if e["type"] == "missing":
@@ -431,16 +433,18 @@ def _format_validation_error(err: ValidationError, locs: dict[tuple, str], sourc
     return f"{where}: config key '{dotted}': {msg}{got_s}"
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Load a recipe, apply `extends` and `--set` overrides, and validate it."""
+def load_config(path: str | Path, overrides: list[str] | None = None, schema: type[BaseModel] | None = None):
+    """Load a recipe, apply `extends` and `--set` overrides, and validate it against `schema`
+    (the GRPO `Config` by default; the reward SFT passes its own). The schema needs a `source` field."""
+    schema = schema or Config
     path = Path(path)
     data, locs = _read_yaml(path)
     data = _strip_markers(apply_overrides(data, overrides or [], locs))
     data["source"] = str(path.resolve())
     try:
-        return Config.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, locs, _display(path))) from None
+        raise ConfigError(_format_validation_error(err, locs, _display(path), schema)) from None
 
 
 def config_to_yaml(cfg: Config) -> str:

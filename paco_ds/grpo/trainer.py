@@ -103,7 +103,7 @@ class GRPOTrainer:
                                       dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
         shared: dict = {}
         ctx = {"device": str(dist.device), "run_dir": self.run_dir}
-        self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, **ctx)
+        self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap, **ctx)
         self.eval_rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else
                                          "rewards.train.terms", shared, **ctx)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights)

@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 class RewardRunner:
     def __init__(self, spec: RewardSet, where: str = "rewards.train.terms", shared: dict[str, Reward] | None = None,
-                 **context):
-        """`shared`: already-built rewards to reuse when the name and arguments are the same."""
-        self.spec = spec
+                 overlap: bool = True, **context):
+        """`shared`: already-built rewards to reuse when the name and arguments are the same.
+        `overlap=False` scores each batch inside `submit` (the synchronous baseline)."""
+        self.spec, self.overlap = spec, overlap
         self.weights = {name: term.weight for name, term in spec.terms.items()}
         self.rewards: dict[str, Reward] = {}
         for name, term in spec.terms.items():
@@ -67,6 +68,9 @@ class RewardRunner:
         futures = {name: self.pool.submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
                    for name, r in self.rewards.items()}
         self.pending.append((len(pil), futures))
+        if not self.overlap:
+            for fut in futures.values():
+                fut.exception()  # wait here; errors surface in collect()
 
     def collect(self) -> dict[str, RewardResult]:
         """Wait for everything submitted; concatenate per reward in submission order."""
