@@ -51,14 +51,20 @@ class LoraConfig(Section):
 
 
 class TinyModelConfig(Section):
-    """Sizes of the random-weight model built offline when `model.tiny` is true."""
+    """The random-weight model built offline when `model.tiny` is true. Its weights are a property
+    of the model (like a checkpoint's), so they come from this seed, not from the run's seed."""
 
+    seed: int = 0
     num_layers: int = 1
     num_single_layers: int = 1
     attention_head_dim: int = 16
     num_attention_heads: int = 2
     text_dim: int = 32
     latent_channels: int = 4
+    # Random decoders mostly render their own biases; these make images follow the latents, so
+    # image rewards (JPEG size) can be learned by a tiny policy in a few CPU minutes.
+    decoder_gain: float = 2.0  # scales the decoder's conv weights
+    latent_scaling: float = 4.0  # the autoencoder's scaling_factor (the decoder sees latents / this)
 
 
 class ModelConfig(Section):

@@ -54,12 +54,12 @@ class FluxPolicy(Policy):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, seed: int = 0) -> "FluxPolicy":
+    def load(cls, cfg: ModelConfig, device: torch.device) -> "FluxPolicy":
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.tiny:
             from paco_ds.models.tiny import tiny_flux_components
 
-            parts = tiny_flux_components(cfg.tiny_spec, seed=seed)
+            parts = tiny_flux_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
             max_len = min(cfg.max_sequence_length, 64)
         else:
             parts = cls._from_pretrained(cfg.path, cfg.revision, dtype)
@@ -146,7 +146,7 @@ class FluxPolicy(Policy):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         x = self.unpack(latents.to(self.device, self.dtype), height, width)
-        x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
         images = self.vae.decode(x, return_dict=False)[0]
         return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
 
@@ -154,5 +154,6 @@ class FluxPolicy(Policy):
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B,3,H,W] -> packed, scaled latents (reference images of editing models)."""
         x = images.to(self.device, self.dtype) / 127.5 - 1
-        lat = self.vae.encode(x).latent_dist.mode()
-        return self.pack((lat - self.vae.config.shift_factor) * self.vae.config.scaling_factor)
+        enc = self.vae.encode(x)
+        lat = enc.latent_dist.mode() if hasattr(enc, "latent_dist") else enc.latents  # AutoencoderKL / Tiny
+        return self.pack((lat - (self.vae.config.shift_factor or 0.0)) * self.vae.config.scaling_factor)

@@ -16,13 +16,12 @@ import torch
 
 from paco_ds.config import TinyModelConfig
 
-PROMPT_DIR = Path(__file__).resolve().parents[1] / "data" / "prompts"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 # FLUX.1's scheduler constants, so the tiny model's sigma schedule at a given image size is the
-# real one (the tiny VAE also downsamples 8x and the transformer packs 2x2 patches).
+# real one (the tiny autoencoder also downsamples 8x and the transformer packs 2x2 patches).
 FLUX_SCHEDULER_CONFIG = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5,
                          "max_shift": 1.15, "use_dynamic_shifting": True, "shift": 3.0}
-FLUX_VAE_SCALING = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
 
 
 @contextlib.contextmanager
@@ -64,30 +63,18 @@ def clip_tokenizer():
                          model_max_length=77)
 
 
-def _corpus() -> list[str]:
-    import json
-
-    texts = []
-    for f in sorted(PROMPT_DIR.glob("*.jsonl")):
-        texts += [json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()]
-    return texts + ["abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"()[]-"]
-
-
 @functools.lru_cache(maxsize=1)
-def t5_tokenizer(vocab_size: int = 512):
-    """A small T5-style Unigram tokenizer trained in-process on the shipped prompts."""
+def t5_tokenizer():
+    """A small T5-style Unigram tokenizer (359 pieces, trained once on the shipped prompts).
+
+    The vocabulary is a file, not trained at start-up: Unigram training is not reproducible across
+    processes, and every rank (and every run) must map a prompt to the same ids.
+    """
     import json
 
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import T5TokenizerFast
 
-    tk = Tokenizer(models.Unigram())
-    tk.normalizer = normalizers.NFKC()
-    tk.pre_tokenizer = pre_tokenizers.Metaspace()
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"],
-                                      unk_token="<unk>", show_progress=False)
-    tk.train_from_iterator(_corpus(), trainer)
-    vocab = [tuple(x) for x in json.loads(tk.to_str())["model"]["vocab"]]
+    vocab = [tuple(x) for x in json.loads((CONFIG_DIR / "tiny-t5-unigram.json").read_text())]
     return T5TokenizerFast(vocab=vocab, extra_ids=0)
 
 
@@ -96,7 +83,7 @@ def t5_tokenizer(vocab_size: int = 512):
 # ----------------------------------------------------------------------------------------------
 def tiny_flux_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
     """transformer, vae, text_encoder (CLIP), text_encoder_2 (T5), tokenizers, scheduler config."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from diffusers import AutoencoderTiny, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     spec = spec or TinyModelConfig()
@@ -110,11 +97,17 @@ def tiny_flux_components(spec: TinyModelConfig | None = None, seed: int = 0) -> 
             num_single_layers=spec.num_single_layers, attention_head_dim=head,
             num_attention_heads=spec.num_attention_heads, joint_attention_dim=d, pooled_projection_dim=d,
             guidance_embeds=True, axes_dims_rope=rope)
-        vae = AutoencoderKL(
+        # FLUX's tiny autoencoder architecture (TAEF1: AutoencoderTiny, 8x like the real VAE). A random
+        # AutoencoderKL's GroupNorms make its images nearly independent of the latents, which leaves
+        # a tiny policy nothing to learn from image rewards; this decoder (no norms) keeps the link.
+        vae = AutoencoderTiny(
             in_channels=3, out_channels=3, latent_channels=spec.latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4, sample_size=64,
-            mid_block_add_attention=False, **FLUX_VAE_SCALING)
+            encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+            num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1), scaling_factor=spec.latent_scaling)
+        with torch.no_grad():
+            for m in vae.decoder.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.weight.mul_(spec.decoder_gain)
         text_encoder = CLIPTextModel(CLIPTextConfig(
             vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d, num_hidden_layers=1, num_attention_heads=2,
             max_position_embeddings=77, projection_dim=d, bos_token_id=tok.bos_token_id,
@@ -137,7 +130,7 @@ def register_tiny_open_clip() -> str:
     import open_clip
 
     if TINY_OPEN_CLIP not in open_clip.list_models():
-        open_clip.add_model_config(Path(__file__).parent / "configs" / f"{TINY_OPEN_CLIP}.json")
+        open_clip.add_model_config(CONFIG_DIR / f"{TINY_OPEN_CLIP}.json")
     return TINY_OPEN_CLIP
 
 
