@@ -54,6 +54,13 @@ def setup_distributed() -> DistInfo:
                     local_rank=local_rank, device=device)
 
 
+def shutdown_distributed() -> None:
+    """Leave together: a rank that exits while others still talk to it can abort in gloo's threads."""
+    if torch.distributed.is_initialized():
+        barrier()
+        torch.distributed.destroy_process_group()
+
+
 def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 

@@ -32,7 +32,7 @@ from paco_ds.checkpoint import CheckpointManager
 from paco_ds.config import Config, config_to_yaml, derive
 from paco_ds.data import KRepeatSampler, PromptItem, load_prompts
 from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true, barrier,
-                                 setup_distributed)
+                                 setup_distributed, shutdown_distributed)
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
 from paco_ds.errors import ConfigError, UserError
 from paco_ds.grpo.advantages import StatTracker
@@ -59,7 +59,7 @@ def build_policy(cfg: Config, device: torch.device) -> Policy:
     if cfg.model.family == "flux":
         from paco_ds.models.flux import FluxPolicy
 
-        return FluxPolicy.load(cfg.model, device, seed=cfg.seed)
+        return FluxPolicy.load(cfg.model, device)
     raise ConfigError(f"config key 'model.family': '{cfg.model.family}' has no policy implementation yet (flux)")
 
 
@@ -107,7 +107,8 @@ class GRPOTrainer:
         self.eval_rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else
                                          "rewards.train.terms", shared, **ctx)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights)
-        self.sde = partial(kernels.sde_step, backend=cfg.kernels.backend)
+        # The fp32 transition mean is only needed for the KL term.
+        self.sde = partial(kernels.sde_step, backend=cfg.kernels.backend, return_mean=cfg.train.beta > 0)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.is_main)
         self.logger: MetricsLogger | None = None
         self.epoch = 0
@@ -474,7 +475,8 @@ def run(cfg: Config, resume: str | None = None, export_only: str | None = None) 
             trainer.export_lora(cfg.run_dir / "lora")
             if dist.is_main:
                 print(f"LoRA: {cfg.run_dir / 'lora'}", flush=True)
-            return
-        trainer.fit(resume)
+        else:
+            trainer.fit(resume)
     finally:
         trainer.close()
+    shutdown_distributed()
