@@ -1,0 +1,55 @@
+"""Run the trainer in one process with a fault injected, for the NaN-guard tests.
+
+modes:
+  nan_loss   the PPO loss is NaN on the 2nd and 3rd micro-steps of the run
+  diverge    the PPO loss is always NaN
+  nan_reward jpeg_compressibility returns NaN for the first batch it scores
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from paco_ds.errors import exit_on_user_error  # noqa: E402
+from paco_ds.rewards.base import RewardResult  # noqa: E402
+from paco_ds.rewards.jpeg_compressibility import JpegCompressibility  # noqa: E402
+
+
+def main():
+    mode, config, *sets = sys.argv[1:]
+    calls = {"n": 0}
+    real_loss = kernels.ppo_clip_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        if mode == "diverge" or calls["n"] in (2, 3):
+            loss = loss * torch.tensor(float("nan"))
+        return loss, stats
+
+    real_score = JpegCompressibility.score
+
+    def nan_score(self, images, prompts, metadata, ref_images=None):
+        res = real_score(self, images, prompts, metadata, ref_images)
+        calls["n"] += 1
+        return RewardResult.ok(np.full_like(res.scores, np.nan)) if calls["n"] == 1 else res
+
+    if mode in ("nan_loss", "diverge"):
+        kernels.ppo_clip_loss = nan_loss
+    elif mode == "nan_reward":
+        JpegCompressibility.score = nan_score
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    from paco_ds.config import load_config
+    from paco_ds.grpo.trainer import run
+
+    with exit_on_user_error("train"):
+        run(load_config(config, sets))
+
+
+if __name__ == "__main__":
+    main()

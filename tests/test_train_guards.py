@@ -1,0 +1,59 @@
+"""Non-finite losses and rewards, and the KL path, in single-process runs of the trainer."""
+import math
+import subprocess
+import sys
+
+from distributed_runs import REPO, TINY, cpu_env, free_port, metrics, tail
+
+ONE_EPOCH = ("train.num_epochs=1", "test.eval_freq=0", "checkpoint.save_freq=0", "logging.num_train_images=0",
+             "logging.tensorboard=false")
+
+
+def _env(run_dir):
+    return cpu_env(OMP_NUM_THREADS="2", MASTER_PORT=str(free_port()))
+
+
+def _fault(mode, run_dir, *sets):
+    args = [sys.executable, str(REPO / "tests/scripts/fault_probe.py"), mode, str(TINY),
+            f"output_dir={run_dir.parent}", f"run_name={run_dir.name}", *sets]
+    return subprocess.run(args, cwd=REPO, env=_env(run_dir), capture_output=True, text=True, timeout=300)
+
+
+def _train(run_dir, *sets):
+    args = [sys.executable, str(REPO / "launch/train.py"), "--config", str(TINY)]
+    for s in (f"output_dir={run_dir.parent}", f"run_name={run_dir.name}", *sets):
+        args += ["--set", s]
+    return subprocess.run(args, cwd=REPO, env=_env(run_dir), capture_output=True, text=True, timeout=300)
+
+
+def test_nonfinite_losses_are_skipped_counted_and_training_goes_on(tmp_path):
+    proc = _fault("nan_loss", tmp_path / "nan", *ONE_EPOCH, "train.num_epochs=2")
+    assert proc.returncode == 0, tail(proc)
+    rows = [r for r in metrics(tmp_path / "nan") if "time/epoch" in r]
+    assert rows[0]["train/nonfinite_steps"] == 2 and rows[1]["train/nonfinite_steps"] == 0
+    assert all(math.isfinite(r["train/grad_norm"]) for r in rows)  # NaN never reached the weights
+    assert rows[1]["global_step"] == 4
+
+
+def test_several_nonfinite_losses_in_a_row_stop_the_run(tmp_path):
+    proc = _fault("diverge", tmp_path / "div", *ONE_EPOCH, "train.max_consecutive_nonfinite=3")
+    assert proc.returncode == 3, tail(proc)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("train: error:")]
+    assert len(lines) == 1 and "3 non-finite" in lines[0] and "train.max_consecutive_nonfinite=3" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_nonfinite_rewards_are_masked_not_zeroed(tmp_path):
+    proc = _fault("nan_reward", tmp_path / "nanr", *ONE_EPOCH)
+    assert proc.returncode == 0, tail(proc)
+    row = metrics(tmp_path / "nanr")[0]
+    assert row["reward/masked"] == row["adv/masked"] > 0
+    assert math.isfinite(row["reward/jpeg_compressibility/mean"])  # computed over the valid samples only
+
+
+def test_kl_needs_a_second_forward_only_when_beta_is_positive(tmp_path):
+    proc = _train(tmp_path / "kl", *ONE_EPOCH, "train.beta=0.05")
+    assert proc.returncode == 0, tail(proc)
+    row = metrics(tmp_path / "kl")[0]
+    assert row["train/forwards_per_step"] == 2.0 and row["train/kl"] > 0
+    assert row["train/ratio_first"] == 1.0
