@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -86,8 +87,11 @@ class Engine:
 
             model, processor = tiny_qwen2_5_vl()
         else:
+            if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
+                raise FileNotFoundError(f"checkpoint directory {path} does not exist")
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
+            path = os.path.expanduser(path)
             processor = AutoProcessor.from_pretrained(path)
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
         return cls(model.to(device=dev, dtype=torch_dtype), processor, max_model_len)
@@ -347,7 +351,11 @@ def main(argv=None) -> None:
     p.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine.load(args.model, args.tiny, args.device, args.dtype, args.max_model_len)
+    try:
+        engine = Engine.load(args.model, args.tiny, args.device, args.dtype, args.max_model_len)
+    except (OSError, ValueError) as err:  # the manager shows this line as the reason the server died
+        log.error("cannot load model %s: %s", args.model, err)
+        raise SystemExit(2) from None
     app = create_app(engine, args.served_model_name, max_batch_size=args.max_batch_size,
                      batch_wait_ms=args.batch_wait_ms, max_logprobs=args.max_logprobs, max_images=args.max_images,
                      max_body_mb=args.max_body_mb, api_key_env=args.api_key_env)
