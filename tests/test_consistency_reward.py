@@ -202,3 +202,31 @@ def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_pat
             runner.close()
     finally:
         manager.stop(tmp_path)
+
+
+def test_closing_the_client_releases_a_caller_waiting_on_a_silent_server():
+    """A run that stops while a reward thread waits on the server must not hang at exit."""
+    import socket
+    import threading
+
+    from paco_ds.rewards.client import ChatClient, RetryPolicy
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        client = ChatClient(f"http://127.0.0.1:{silent.getsockname()[1]}/v1", MODEL,
+                            retry=RetryPolicy(budget=60, timeout=60))
+        outcome = {}
+
+        def caller():
+            try:
+                client.run([client.first_token_logprobs([{"type": "text", "text": "Yes?"}], 1)])
+            except BaseException as err:  # noqa: BLE001 - what it ends with is the point
+                outcome["error"] = type(err).__name__
+
+        thread = threading.Thread(target=caller)
+        thread.start()
+        time.sleep(0.5)
+        client.close()
+        thread.join(timeout=5)
+    assert not thread.is_alive() and outcome == {"error": "CancelledError"}

@@ -129,9 +129,19 @@ class ChatClient:
         return [(t.token, float(t.logprob)) for t in first.top_logprobs]
 
     def close(self) -> None:
+        """Cancel what is in flight (a caller blocked in `run()` gets CancelledError instead of
+        waiting forever on a stopped loop), close the connections, stop the loop thread."""
         if self._loop.is_closed():
             return
-        fut = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
+
+        async def shutdown():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._client.close()
+
+        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
         try:
             fut.result(timeout=5)
         except Exception:  # noqa: BLE001 - closing is best effort
