@@ -112,8 +112,11 @@ class Engine:
             raise ApiError(400, f"top_logprobs={top} exceeds this server's max_logprobs={max_logprobs}")
         max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
         messages, images = self._messages(req.messages)
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        try:
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        except Exception as err:  # noqa: BLE001 - what the template or the processor refuses is the request's fault
+            raise ApiError(400, f"cannot process the request: {type(err).__name__}: {err}") from None
         n = int(inputs["input_ids"].shape[1])
         if n + max_tokens > self.max_model_len:
             raise ApiError(400, f"prompt of {n} tokens + max_tokens {max_tokens} exceeds max_model_len "
