@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ from PIL import Image
 
 from _common import JUDGE, RESULTS, tiny_judge, write_report  # puts the repository on sys.path
 from paco_ds.rewards.consistency import PAIR_TEMPLATE_V1, data_uri
+from paco_ds.serving.config import API_KEY_ENV
 
 
 def _requests(n: int, size: int, seed: int) -> list[list[dict]]:
@@ -44,7 +46,8 @@ async def _load(url: str, model: str, contents: list[list[dict]], clients: int, 
     errors: list[str] = []
 
     async def client(c: int) -> None:
-        async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as api:
+        async with openai.AsyncOpenAI(base_url=url, api_key=os.environ.get(API_KEY_ENV) or "none", max_retries=0,
+                                      timeout=120) as api:
             for i in range(per_client):
                 t0 = time.perf_counter()
                 try:
@@ -104,7 +107,9 @@ def _server_stats(url: str) -> dict:
     """The hf engine's request and batch counters (the run's share is the difference)."""
     import httpx
 
-    return httpx.get(url.removesuffix("/v1") + "/stats", timeout=10).json()
+    token = os.environ.get(API_KEY_ENV)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(url.removesuffix("/v1") + "/stats", headers=headers, timeout=10).json()
 
 
 if __name__ == "__main__":
