@@ -35,6 +35,8 @@ def parse_args(argv=None):
     start.add_argument("--host")
     start.add_argument("--port", type=int, help="public port (0: a free one)")
     start.add_argument("--gpus", help="comma-separated GPU indices to split among the models")
+    start.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share of each GPU's memory")
+    start.add_argument("--max-model-len", type=int, help="longest prompt + answer in tokens")
     start.add_argument("--timeout", type=float, dest="startup_timeout", help="seconds to wait for readiness")
     start.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
     status = sub.add_parser("status", help="show the recorded servers (exit code 1 if one is down)")
@@ -59,6 +61,7 @@ def _flags(args) -> dict:
         except ValueError:
             raise ConfigError(f"--gpus {args.gpus!r}: expected comma-separated integers") from None
     return {"engine": args.engine, "layout": args.layout, "host": args.host, "port": args.port, "gpus": gpus,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
             "startup_timeout": args.startup_timeout, "models": models or None}
 
 

@@ -128,3 +128,14 @@ def test_cli_config_file_errors_name_file_and_line(tmp_path):
     f.write_text("reward_servers:\n  engine: hf\n  models: [{name: judge, tiny: true}]\n  prot: 9000\n")
     out = run_cli("launch/serve_reward.py", "start", "--config", str(f), "--run-dir", str(tmp_path))
     assert out.returncode == 2 and "servers.yaml:4" in out.stderr and "did you mean 'reward_servers.port'" in out.stderr
+
+
+def test_cli_flags_reach_the_command():
+    out = run_cli("launch/serve_reward.py", "start", "--dry-run", "--model", "PaCo-Reward-7B=/ckpt", "--gpus", "2,3",
+                  "--gpu-memory-utilization", "0.5", "--max-model-len", "4096", "--port", "8100",
+                  env={"PACO_REWARD_API_KEY": ""})
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stdout.strip().splitlines()
+    assert line.startswith("[engine PaCo-Reward-7B] CUDA_VISIBLE_DEVICES=2,3 vllm serve /ckpt ")
+    for flag in ("--gpu-memory-utilization 0.5", "--max-model-len 4096", "--port 8100", "--tensor-parallel-size 2"):
+        assert flag in line

@@ -22,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from paco_ds.errors import ConfigError, exit_on_user_error
 from paco_ds.serving.config import API_KEY_ENV
 from paco_ds.serving.protocol import ApiError, check_image_count, install_common, read_json, serve
 
@@ -118,7 +119,7 @@ def parse_routes(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, url = item.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
-            raise SystemExit(f"gateway: --backend {item!r}: expected NAME=http://host:port")
+            raise ConfigError(f"--backend {item!r}: expected NAME=http://host:port")
         routes[name] = url
     return routes
 
@@ -136,7 +137,8 @@ def main(argv=None) -> None:
     p.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    routes = parse_routes(args.backend)
+    with exit_on_user_error("gateway"):
+        routes = parse_routes(args.backend)
     app = create_app(routes, max_images=args.max_images, max_body_mb=args.max_body_mb, api_key_env=args.api_key_env,
                      timeout=args.timeout)
     log.info("gateway on http://%s:%d/v1 for %s", args.host, args.port, ", ".join(sorted(routes)))
