@@ -46,10 +46,11 @@ def tiny_judge(**overrides) -> Iterator[str]:
             manager.stop(state_dir)
 
 
-def write_report(name: str, report: dict, out: Path) -> Path:
+def write_report(name: str, report: dict, out: Path, machine_info: dict) -> Path:
+    """`machine_info`: `machine()` taken when the benchmark started (the load average matters)."""
     out.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": name, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **report}
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info, **report}
     path = out / f"{name}.json"
     path.write_text(json.dumps(report, indent=1))
     return path

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import JUDGE, RESULTS, tiny_judge, write_report  # puts the repository on sys.path
+from _common import JUDGE, RESULTS, machine, tiny_judge, write_report  # puts the repository on sys.path
 
 TINY_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny" / "t2is.yaml"
 
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the server process
+    machine_info = machine()
 
     import torch
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                      "num_steps": cfg.sample.num_steps, "repeats": args.repeats, "sampling_threads": args.threads,
                      "requests_per_epoch": requests, "images_per_epoch": n_images},
         "median_epoch_s": med, "reward_s": reward_s, "exposed_s": exposed_s, "hidden_fraction": hidden,
-        "valid_scores": valid, "runs": runs}, args.out)
+        "valid_scores": valid, "runs": runs}, args.out, machine_info)
     print(f"wrote {path}")
     return 0 if valid == n_images else 1
 

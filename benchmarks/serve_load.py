@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from _common import JUDGE, RESULTS, tiny_judge, write_report  # puts the repository on sys.path
+from _common import JUDGE, RESULTS, machine, tiny_judge, write_report  # puts the repository on sys.path
 from paco_ds.rewards.consistency import PAIR_TEMPLATE_V1, data_uri
 from paco_ds.serving.config import API_KEY_ENV
 
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-logprobs", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    machine_info = machine()
 
     contents = _requests(args.clients * args.requests, args.image_size, seed=0)
     with (contextlib.nullcontext(args.url) if args.url else tiny_judge()) as url:
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     batch = server.get("batched_requests", 0) / max(1, server.get("batches", 0)) if server else float("nan")
     print(f"{args.clients:>8} {len(contents):>9} {len(errors):>7} {result['req_per_s']:>8.1f} {pct(50):>8.1f} "
           f"{pct(90):>8.1f} {pct(99):>8.1f} {batch:>10.2f}")
-    path = write_report("serve_load", {"result": result}, args.out)
+    path = write_report("serve_load", {"result": result}, args.out, machine_info)
     print(f"wrote {path}")
     return 1 if errors else 0
 
