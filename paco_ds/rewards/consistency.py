@@ -71,10 +71,12 @@ def yes_probability(top: list[tuple[str, float]], canonicalize: bool = False) ->
 
 
 def data_uri(image: Image.Image, fmt: str = "png", quality: int = 75) -> str:
-    """PNG is lossless; JPEG at quality 75 reproduces what the reference sends (§12.24)."""
+    """PNG is lossless; JPEG at quality 75 reproduces what the reference sends (§12.24). PNG uses
+    zlib level 1: about 2.5x faster to encode than the default 6 for 10% more bytes, and encoding
+    runs in the trainer process, beside sampling."""
     buf = io.BytesIO()
     if fmt == "png":
-        image.convert("RGB").save(buf, format="PNG")
+        image.convert("RGB").save(buf, format="PNG", compress_level=1)
     else:
         image.convert("RGB").save(buf, format="JPEG", quality=quality)
     return f"data:image/{'png' if fmt == 'png' else 'jpeg'};base64,{base64.b64encode(buf.getvalue()).decode()}"
