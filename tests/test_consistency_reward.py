@@ -181,7 +181,7 @@ def test_unreachable_endpoint_fails_within_the_retry_budget():
 def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_path):
     state = _start(tmp_path)
     url = state["endpoints"][MODEL]
-    kw = {"model": MODEL, "base_url": url, "top_logprobs": 512, "retry_budget": 1.5, "backoff": 0.1}
+    kw = {"model": MODEL, "base_url": url, "top_logprobs": 512, "retry_budget": 4.0, "backoff": 0.1}
     try:
         runners = {policy: RewardRunner(RewardSet(terms={"consistency_score": kw}, on_failure=policy))
                    for policy in ("mask", "raise")}
@@ -194,7 +194,7 @@ def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_pat
         t0 = time.monotonic()
         res = runners["mask"].score([old, new], [prompt] * 2, [meta] * 2)["consistency_score"]
         assert res.valid.tolist() == [True, False] and runners["mask"].failures == 1  # the cached one survives
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 4.0 + 3  # the retry budget, plus slack for a loaded machine
         with pytest.raises(RewardError, match=f"reward server {url} \\(model '{MODEL}'\\)") as err:
             runners["raise"].score([old, new], [prompt] * 2, [meta] * 2)
         assert isinstance(err.value, PartialRewardError) and err.value.failed.tolist() == [False, True]

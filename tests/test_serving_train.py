@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, TINY
 from paco_ds.serving.manager import free_port
 
-BUDGET = 1.0  # seconds of retries per request after the server is gone
+BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take a second to answer)
 
 
 def _launch(tmp_path, *sets):
