@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paco_ds.errors import ConfigError
+from paco_ds.serving.config import ServersConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,6 +249,7 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    reward_servers: ServersConfig | None = None  # judge servers the run starts and stops itself
     # Where the recipe came from; paths inside it resolve against this directory.
     source: str | None = None
 

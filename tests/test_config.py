@@ -26,7 +26,8 @@ def test_tiny_recipe_extends_the_real_one(tiny_cfg):
     assert tiny_cfg.model.tiny and tiny_cfg.model.path == "black-forest-labs/FLUX.1-dev"  # inherited
     assert tiny_cfg.sample.noise_level == 0.7  # inherited
     assert tiny_cfg.train.resolution == 64 and tiny_cfg.test.resolution == 128
-    assert "consistency_score" not in tiny_cfg.rewards.train.terms  # `_replace: true` replaced the set
+    # `_replace: true` replaced the set: the real recipe's consistency term (with its base_url) is not merged in
+    assert "base_url" not in tiny_cfg.rewards.train.terms["consistency_score"].kwargs
     assert tiny_cfg.rewards.test is not None and set(tiny_cfg.rewards.test.terms) != set(tiny_cfg.rewards.train.terms)
     assert tiny_cfg.rewards.train.terms["subfig_clipT"].kwargs == {"tiny": True}
 

@@ -88,9 +88,10 @@ def test_lora_exports_in_the_format_flux_pipeline_loads(tiny_policy, tiny_cfg, t
     assert images.shape == (1, 64, 64, 3)
 
 
-def test_tiny_t2is_batch_gives_images_panels_rewards_and_advantages(tiny_policy, tiny_cfg):
+def test_tiny_t2is_batch_gives_images_panels_rewards_and_advantages(tiny_policy, tiny_cfg, tmp_path):
     from paco_ds.grpo.advantages import StatTracker
     from paco_ds.rewards.registry import build_reward
+    from paco_ds.serving.manager import endpoints_for_run, started_for_run
 
     items = load_t2is_jsonl(PROMPTS)[:2]
     k = 3
@@ -101,10 +102,14 @@ def test_tiny_t2is_batch_gives_images_panels_rewards_and_advantages(tiny_policy,
     rows, cols = grid_shape(prompts[0], items[0].metadata)
     assert [p.size for p in split_panels(images[0], rows, cols)] == [(32, 32)] * 4
     rewards = {}
-    for name, term in tiny_cfg.rewards.train.terms.items():
-        res = build_reward(name, term.kwargs, device="cpu")(images, prompts, [it.metadata for it in items for _ in range(k)])
-        assert res.valid.all() and np.isfinite(res.scores).all()
-        rewards[name] = res.scores
+    with started_for_run(tiny_cfg.reward_servers, tmp_path, local_rank=0):  # the recipe's consistency judge
+        endpoints = endpoints_for_run(tiny_cfg.reward_servers, tmp_path)
+        for name, term in tiny_cfg.rewards.train.terms.items():
+            reward = build_reward(name, term.kwargs, device="cpu", reward_endpoints=endpoints)
+            res = reward(images, prompts, [it.metadata for it in items for _ in range(k)])
+            reward.close()
+            assert res.valid.all() and np.isfinite(res.scores).all()
+            rewards[name] = res.scores
     weights = {n: t.weight for n, t in tiny_cfg.rewards.train.terms.items()}
     out = StatTracker(tiny_cfg.advantage, tiny_cfg.rewards.train.aggregation, weights).compute(rewards, groups)
     assert out.advantages.shape == (6,) and out.keep.all()

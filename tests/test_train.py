@@ -1,7 +1,9 @@
 """The GRPO trainer for real: the deepspeed launcher, 2 processes, ZeRO-3 over gloo, tiny models.
 
-One 4-epoch run (through tests/scripts/train_probe.py, which also records the partitioning and
-the gathered LoRA of each rank) serves several checks; the resume and kill tests run their own.
+One 4-epoch run of the tiny recipe as shipped (all three PaCo rewards, the consistency judge on an
+hf-engine server the run starts and stops; through tests/scripts/train_probe.py, which also
+records the partitioning and the gathered LoRA of each rank) serves several checks; the resume,
+kill and learning tests run their own.
 """
 import json
 import math
@@ -21,9 +23,12 @@ from distributed_runs import REPO, cpu_env, launch_cmd, metrics, run_trainer, st
 FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
         "checkpoint.keep_last=2")
 
+# Without the judge server (faster) where a test is not about rewards.
+NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
+
 EPOCH_FIELDS = [
     "reward/jpeg_compressibility/mean", "reward/jpeg_compressibility/std", "reward/subfig_clipT/mean",
-    "reward/pickscore/mean", "reward/combined/mean", "adv/adv_abs_mean", "adv/zero_std_ratio", "adv/global_std",
+    "reward/pickscore/mean", "reward/consistency_score/mean", "reward/combined/mean", "adv/adv_abs_mean", "adv/zero_std_ratio", "adv/global_std",
     "train/loss", "train/policy_loss", "train/kl", "train/ratio", "train/ratio_first", "train/clipfrac",
     "train/grad_norm", "train/nonfinite_steps", "time/sample", "time/reward_wait", "time/train", "time/epoch",
     "images_per_sec", "global_step",
@@ -106,7 +111,7 @@ def test_exact_resume(full_run, tmp_path):
 def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "killed"
     launcher = subprocess.Popen(launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "test.eval_freq=0",
-                                           "checkpoint.save_freq=1", "logging.num_train_images=0"),
+                                           "checkpoint.save_freq=1", "logging.num_train_images=0", *NO_JUDGE),
                                 cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
@@ -126,7 +131,7 @@ def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     # The last complete checkpoint still loads: export its LoRA (a 2-process run restores it).
-    export = run_trainer(run_dir, extra=("--export-lora", "latest"))
+    export = run_trainer(run_dir, *NO_JUDGE, extra=("--export-lora", "latest"))
     assert export.returncode == 0, tail(export)
     assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -144,7 +149,7 @@ def test_jpeg_compressibility_is_learned(tmp_path):
     prompts.write_text("\n".join(lines[:2]) + "\n")
     run_dir = tmp_path / "learn"
     proc = run_trainer(run_dir, f"data.train_file={prompts}", "train.num_epochs=16", "test.eval_freq=0",
-                       "checkpoint.save_freq=0", "logging.num_train_images=0",
+                       "checkpoint.save_freq=0", "logging.num_train_images=0", "reward_servers=null",
                        "rewards.train={terms: {jpeg_compressibility: {weight: 1.0}}}")
     assert proc.returncode == 0, tail(proc)
     r = [row["reward/jpeg_compressibility/mean"] for row in metrics(run_dir) if "time/epoch" in row]

@@ -5,8 +5,10 @@ import sys
 
 from distributed_runs import REPO, TINY, cpu_env, free_port, metrics, tail
 
+# One process, one epoch of 2 prompts x 4 images trained on one noised step, no judge server.
 ONE_EPOCH = ("train.num_epochs=1", "test.eval_freq=0", "checkpoint.save_freq=0", "logging.num_train_images=0",
-             "logging.tensorboard=false")
+             "logging.tensorboard=false", "sample.group_size=4", "sample.noise_steps=[1]", "reward_servers=null",
+             "rewards.train.terms={jpeg_compressibility: {weight: 1.0}, subfig_clipT: {weight: 1.0, tiny: true}}")
 
 
 def _env(run_dir):

@@ -43,6 +43,7 @@ from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_st
 from paco_ds.rewards.runner import RewardRunner
 from paco_ds.sampling.grid import make_grid, to_pil
 from paco_ds.sampling.rollout import Trajectory, gather_samples, make_generator, sample_trajectories, transition_log_prob
+from paco_ds.serving.manager import endpoints_for_run, started_for_run
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class GRPOTrainer:
         self.sampler = KRepeatSampler(len(self.train_items), cfg.sample.group_size, self.plan.prompts_per_epoch,
                                       dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
         shared: dict = {}
-        ctx = {"device": str(dist.device), "run_dir": self.run_dir}
+        ctx = {"device": str(dist.device), "run_dir": self.run_dir,
+               "reward_endpoints": endpoints_for_run(cfg.reward_servers, self.run_dir)}
         self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap, **ctx)
         self.eval_rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else
                                          "rewards.train.terms", shared, **ctx)
@@ -468,15 +470,18 @@ def run(cfg: Config, resume: str | None = None, export_only: str | None = None) 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
-    trainer = GRPOTrainer(cfg, dist)
-    try:
-        if export_only:
-            trainer.load(trainer.ckpt.resolve(export_only))
-            trainer.export_lora(cfg.run_dir / "lora")
-            if dist.is_main:
-                print(f"LoRA: {cfg.run_dir / 'lora'}", flush=True)
-        else:
-            trainer.fit(resume)
-    finally:
-        trainer.close()
+    # The recipe's reward servers: started by local rank 0 of each node, awaited by every rank
+    # before the rewards are built, stopped when the run ends.
+    with started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank):
+        trainer = GRPOTrainer(cfg, dist)
+        try:
+            if export_only:
+                trainer.load(trainer.ckpt.resolve(export_only))
+                trainer.export_lora(cfg.run_dir / "lora")
+                if dist.is_main:
+                    print(f"LoRA: {cfg.run_dir / 'lora'}", flush=True)
+            else:
+                trainer.fit(resume)
+        finally:
+            trainer.close()
     shutdown_distributed()

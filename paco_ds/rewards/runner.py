@@ -3,7 +3,8 @@
 `submit()` hands a finished rollout batch to a thread pool (one task per reward, so a remote
 judge and local CLIP models score concurrently) and returns at once; `collect()` waits for all
 submitted batches and returns one array per reward in submission order. With `on_failure: mask`
-a reward that raises marks its samples invalid (counted), with `raise` the error stops the run.
+a reward that raises marks its samples invalid (counted; only the failed ones when it raises a
+PartialRewardError), with `raise` the error stops the run.
 """
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from paco_ds.rewards.registry import build_reward
 from paco_ds.sampling.grid import to_pil
 
 log = logging.getLogger(__name__)
+
+
+class PartialRewardError(RewardError):
+    """A reward failed on some samples of a batch only. `result` holds the scores of the others;
+    under `mask` only the `failed` samples are masked."""
+
+    def __init__(self, message: str, result: RewardResult, failed: np.ndarray):
+        super().__init__(message)
+        self.result, self.failed = result, failed
 
 
 class RewardRunner:
@@ -54,10 +64,12 @@ class RewardRunner:
                 if isinstance(err, RewardError):
                     raise
                 raise RewardError(f"reward '{name}' failed: {type(err).__name__}: {err}") from err
-            log.warning("reward '%s' failed on %d samples (masked): %s", name, len(prompts), err)
+            partial = isinstance(err, PartialRewardError)
+            res = err.result if partial else RewardResult.failed(len(prompts))
+            n_failed = int(err.failed.sum()) if partial else len(prompts)
+            log.warning("reward '%s' failed on %d of %d samples (masked): %s", name, n_failed, len(prompts), err)
             with self._lock:
-                self.failures += len(prompts)
-            res = RewardResult.failed(len(prompts))
+                self.failures += n_failed
         finally:
             with self._lock:
                 self.busy_seconds += time.perf_counter() - t0

@@ -23,32 +23,32 @@ def main():
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
     with exit_on_user_error("probe"):
-        import torch
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         from paco_ds.config import load_config
         from paco_ds.distributed import setup_distributed
         from paco_ds.engine import partition_report, zero_stage
         from paco_ds.grpo.trainer import GRPOTrainer
+        from paco_ds.serving.manager import started_for_run
 
         cfg = load_config(args.config, args.overrides)
         dist = setup_distributed()
-        trainer = GRPOTrainer(cfg, dist)
-        partition = partition_report(trainer.policy.transformer)
-        try:
-            trainer.fit(args.resume)
-            with GatheredParameters(trainer.trainable, enabled=zero_stage(trainer.ds_config) == 3):
-                h = hashlib.sha256()
-                for t in trainer.trainable:
-                    h.update(t.detach().cpu().contiguous().numpy().tobytes())
-                digest = h.hexdigest()
-                lora_numel = sum(t.numel() for t in trainer.trainable)
-        finally:
-            trainer.close()
+        with started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank):
+            trainer = GRPOTrainer(cfg, dist)
+            partition = partition_report(trainer.policy.transformer)
+            try:
+                trainer.fit(args.resume)
+                with GatheredParameters(trainer.trainable, enabled=zero_stage(trainer.ds_config) == 3):
+                    h = hashlib.sha256()
+                    for t in trainer.trainable:
+                        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                    digest = h.hexdigest()
+                    lora_numel = sum(t.numel() for t in trainer.trainable)
+            finally:
+                trainer.close()
         out = cfg.run_dir / f"probe_rank{dist.rank}.json"
         out.write_text(json.dumps({"rank": dist.rank, "world_size": dist.world_size, "partition": partition,
-                                   "lora_digest": digest, "lora_numel": lora_numel,
-                                   "torch_threads": torch.get_num_threads()}))
+                                   "lora_digest": digest, "lora_numel": lora_numel}))
 
 
 if __name__ == "__main__":

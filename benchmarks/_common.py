@@ -1,0 +1,56 @@
+"""What the serving benchmarks share: the machine description, a tiny judge server, the output."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(REPO))
+
+JUDGE = "paco-reward-tiny"
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                    if l.startswith("model name")), cpu)
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cores": os.cpu_count(), "cpu_model": cpu, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            else None, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average_at_start": os.getloadavg()}
+
+
+@contextlib.contextmanager
+def tiny_judge(**overrides) -> Iterator[str]:
+    """The tiny Qwen2.5-VL on the built-in hf engine, on a free port; yields its base URL."""
+    from paco_ds.serving import manager
+    from paco_ds.serving.config import ServersConfig
+
+    cfg = ServersConfig(engine="hf", models=[{"name": JUDGE, "tiny": True}], port=0, max_logprobs=512,
+                        **overrides)
+    with tempfile.TemporaryDirectory(prefix="paco_judge_") as state_dir:
+        state = manager.start(cfg, state_dir, exit_with_parent=True)
+        try:
+            yield state["endpoints"][JUDGE]
+        finally:
+            manager.stop(state_dir)
+
+
+def write_report(name: str, report: dict, out: Path, machine_info: dict) -> Path:
+    """`machine_info`: `machine()` taken when the benchmark started (the load average matters)."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": name, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info, **report}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    return path

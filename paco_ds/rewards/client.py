@@ -1,0 +1,164 @@
+"""An OpenAI-API client for reward servers: async inside, blocking outside.
+
+Rewards are called from a worker thread of the RewardRunner, so the client owns an event loop
+on its own thread and callers block on `run()`; many requests are then in flight at once
+(bounded by `max_concurrency`) without `asyncio.run` per call. Each request retries transient
+failures (connection errors, timeouts, 429 and 5xx) with exponential backoff and jitter within a
+total time budget, then raises a RewardError naming the endpoint and the model. A request the
+server rejects (400, 401, 404) is not retried. `check_model()` asks the server which names it
+serves, so a misspelled model is an error at start-up, not minutes of retries scoring 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+import openai
+
+from paco_ds.errors import RewardError
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 8
+    backoff: float = 0.5  # seconds before the second attempt; doubles each time
+    max_backoff: float = 8.0
+    budget: float = 120.0  # total seconds for one request, all attempts and waits included
+    timeout: float = 60.0  # seconds for one attempt
+
+    def delay(self, attempt: int) -> float:
+        """Exponential backoff with jitter: a uniform draw in [d/2, d] so that clients that failed
+        together do not retry together."""
+        d = min(self.max_backoff, self.backoff * 2 ** attempt)
+        return random.uniform(d / 2, d)
+
+
+class ChatClient:
+    """One served model at one base URL."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, max_concurrency: int = 64,
+                 retry: RetryPolicy = RetryPolicy()):
+        self.base_url, self.model, self.retry = base_url.rstrip("/"), model, retry
+        self.where = f"reward server {self.base_url} (model '{model}')"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"reward-client:{model}", daemon=True)
+        self._thread.start()
+
+        async def setup():
+            self._sem = asyncio.Semaphore(max_concurrency)
+            # The openai client's own retries are off: ours have a total budget and jitter.
+            return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key or "none", max_retries=0,
+                                      timeout=retry.timeout)
+
+        self._client = self.run([setup()])[0]
+
+    # ---------------------------------------------------------------------------------- running
+    def run(self, coros: Sequence[Awaitable], return_exceptions: bool = False) -> list:
+        """Run coroutines concurrently on the client's loop and wait for all of them."""
+        async def gather():
+            return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+
+        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+    async def _with_retries(self, what: str, call: Callable[[float], Awaitable[Any]]) -> Any:
+        start = time.monotonic()
+        deadline = start + self.retry.budget
+        last: Exception | None = None
+        for attempt in range(self.retry.max_attempts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                async with self._sem:
+                    return await call(min(self.retry.timeout, left))
+            except openai.APIStatusError as err:
+                if err.status_code not in RETRY_STATUS:
+                    raise RewardError(f"{self.where}: {what} rejected with HTTP {err.status_code}: "
+                                      f"{_message(err)}") from None
+                last = err
+            except openai.APIConnectionError as err:  # includes timeouts
+                last = err
+            wait = self.retry.delay(attempt)
+            if time.monotonic() + wait >= deadline or attempt + 1 == self.retry.max_attempts:
+                break
+            log.debug("%s: %s failed (%s), retrying in %.2fs", self.where, what, _message(last), wait)
+            await asyncio.sleep(wait)
+        raise RewardError(f"{self.where}: {what} failed after {attempt + 1} attempts in "
+                          f"{time.monotonic() - start:.1f}s: {_message(last)}")
+
+    # ---------------------------------------------------------------------------------- API
+    async def served_models(self) -> list[str]:
+        page = await self._with_retries("listing models", lambda t: self._client.models.list(timeout=t))
+        return [m.id for m in page.data]
+
+    def check_model(self) -> None:
+        """Fail now, listing the served names, when the server does not serve our model."""
+        names = self.run([self.served_models()])[0]
+        if self.model in names:
+            return
+        close = difflib.get_close_matches(self.model, names, n=1, cutoff=0.6)
+        same_case = [n for n in names if n.lower() == self.model.lower()]
+        hint = (f" (names are case-sensitive: did you mean '{same_case[0]}'?)" if same_case else
+                f" (did you mean '{close[0]}'?)" if close else "")
+        raise RewardError(f"model '{self.model}' is not served at {self.base_url}; served: "
+                          f"{', '.join(names) or 'none'}{hint}")
+
+    async def first_token_logprobs(self, content: list[dict], top_logprobs: int) -> list[tuple[str, float]]:
+        """The top logprobs of the first generated token for one user turn: [(token, logprob)]."""
+        async def call(timeout: float):
+            return await self._client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": content}], temperature=0.0,
+                max_completion_tokens=1, logprobs=True, top_logprobs=top_logprobs, timeout=timeout)
+
+        resp = await self._with_retries("chat completion", call)
+        try:
+            first = resp.choices[0].logprobs.content[0]
+        except (AttributeError, IndexError, TypeError):
+            raise RewardError(f"{self.where}: the response has no logprobs for the first token (does the server "
+                              f"return logprobs, with max_logprobs >= {top_logprobs}?)") from None
+        return [(t.token, float(t.logprob)) for t in first.top_logprobs]
+
+    def close(self) -> None:
+        """Cancel what is in flight (a caller blocked in `run()` gets CancelledError instead of
+        waiting forever on a stopped loop), close the connections, stop the loop thread."""
+        if self._loop.is_closed():
+            return
+
+        async def shutdown():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._client.close()
+
+        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        try:
+            fut.result(timeout=5)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+def _message(err: Exception | None) -> str:
+    if isinstance(err, openai.APIStatusError):
+        body = err.body if isinstance(err.body, dict) else {}
+        msg = body.get("message") or (body.get("error") or {}).get("message") if body else None
+        return f"HTTP {err.status_code}: {msg or err.message}"
+    if isinstance(err, openai.APITimeoutError):
+        return "timed out"
+    if isinstance(err, openai.APIConnectionError):
+        cause = err.__cause__
+        return f"connection failed ({type(cause).__name__ if cause else 'no answer'})"
+    return str(err)

@@ -1,0 +1,152 @@
+"""The `reward_servers` section: which judge models to serve, with which engine, where.
+
+One schema serves three users: `launch/serve_reward.py` (a YAML file with a `reward_servers:`
+key, or flags), a training recipe whose run starts and stops its own servers, and the reference's
+environment variables (`config_from_env`). The schema is independent of
+`paco_ds.config` so that the recipe schema can import it without a cycle.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from paco_ds.errors import ConfigError
+
+API_KEY_ENV = "PACO_REWARD_API_KEY"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServedModel(_Section):
+    """One judge model: the name clients ask for (case-sensitive) and where its weights are."""
+
+    name: str = Field(min_length=1)
+    path: str | None = None  # hub id or local checkpoint directory
+    tiny: bool = False  # hf engine only: build the tiny offline Qwen2.5-VL instead of loading `path`
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ServedModel":
+        if (self.path is None) == (not self.tiny):
+            raise ValueError(f"model '{self.name}': give exactly one of 'path' or 'tiny: true'")
+        return self
+
+
+class ServersConfig(_Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    models: list[ServedModel] = Field(min_length=1)
+    # single: one model on `port`; gateway: backends on loopback behind a gateway on `port`;
+    # separate: model i on port + i. auto: single for one model, gateway for several.
+    layout: Literal["auto", "single", "gateway", "separate"] = "auto"
+    host: str = "127.0.0.1"  # public bind address; 0.0.0.0 exposes the servers to the network
+    port: int = Field(8000, ge=0, le=65535)  # 0: pick free ports
+    backend_base_port: int = Field(18001, ge=0, le=65535)  # gateway backends, on 127.0.0.1; 0: free ports
+    # vLLM
+    gpus: list[int] | None = None  # GPUs to split evenly among the models (default: the visible ones)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_model_len: int = Field(8192, gt=0)
+    enable_prefix_caching: bool = True  # the two panels of a pair share the system prompt and images repeat
+    trust_remote_code: bool = True
+    extra_args: list[str] = Field(default_factory=list)  # appended to every `vllm serve`
+    # Request limits and logprobs (both engines; the gateway checks images and body size too)
+    max_logprobs: int = Field(20, ge=1)
+    max_images: int = Field(2, ge=1)
+    max_body_mb: float = Field(64, gt=0)
+    # Built-in transformers engine
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_ms: float = Field(5.0, ge=0)
+    # Security: the name of an environment variable holding a bearer token. When it is set, the
+    # servers and the gateway require it and the clients send it; the token never goes on a command line.
+    api_key_env: str = API_KEY_ENV
+    startup_timeout: float = Field(600.0, gt=0)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, v: list[ServedModel]) -> list[ServedModel]:
+        names = [m.name for m in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"served model names must be unique (repeated: {', '.join(dup)})")
+        return v
+
+    @model_validator(mode="after")
+    def _engine_fits(self) -> "ServersConfig":
+        if self.engine == "vllm" and any(m.tiny for m in self.models):
+            raise ValueError("'tiny: true' models need engine: hf (vLLM loads checkpoints only)")
+        if self.resolved_layout == "single" and len(self.models) > 1:
+            raise ValueError(f"layout 'single' serves one model; {len(self.models)} are configured "
+                             "(use 'gateway' or 'separate')")
+        return self
+
+    @property
+    def resolved_layout(self) -> str:
+        if self.layout != "auto":
+            return self.layout
+        return "single" if len(self.models) == 1 else "gateway"
+
+
+class ServersFile(BaseModel):
+    """A YAML file holding a `reward_servers:` section: a serving config, or a whole training recipe
+    (its other keys are the trainer's business and are ignored here)."""
+
+    model_config = ConfigDict(extra="ignore")
+    reward_servers: ServersConfig
+    source: str | None = None
+
+
+def load_servers_config(path: str | Path, overrides: list[str] | None = None) -> ServersConfig:
+    """Read the `reward_servers` section of a YAML file (with `extends` and `--set`), reporting
+    mistakes as one line naming file:line and key."""
+    from paco_ds.config import load_config
+
+    return load_config(path, overrides, schema=ServersFile).reward_servers
+
+
+def config_from_env(environ: Mapping[str, str]) -> dict:
+    """The reference launcher's variables (VLLM_MODEL_PATHS, VLLM_MODEL_NAMES, VLLM_PORT,
+    GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN) as `reward_servers` values; only those that are set
+    appear. CUDA_VISIBLE_DEVICES keeps its meaning: the GPUs split among the models."""
+    out: dict = {}
+    paths = [p.strip() for p in environ.get("VLLM_MODEL_PATHS", "").split(",") if p.strip()]
+    if paths:
+        names = [n.strip() for n in environ.get("VLLM_MODEL_NAMES", "").split(",") if n.strip()]
+        if not names:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in paths]
+        if len(names) != len(paths):
+            raise ConfigError(f"VLLM_MODEL_NAMES has {len(names)} names for {len(paths)} VLLM_MODEL_PATHS")
+        out["models"] = [{"name": n, "path": p} for n, p in zip(names, paths)]
+    for var, key, kind in (("VLLM_PORT", "port", int), ("GPU_MEMORY_UTILIZATION", "gpu_memory_utilization", float),
+                           ("MAX_MODEL_LEN", "max_model_len", int)):
+        if environ.get(var, "").strip():
+            try:
+                out[key] = kind(environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={environ[var]!r} is not a valid {kind.__name__}") from None
+    return out
+
+
+def build_servers_config(path: str | Path | None, overrides: list[str], flags: dict[str, Any],
+                         environ: Mapping[str, str]) -> ServersConfig:
+    """The servers to start: a YAML section (with --set overrides) or, without a file, the
+    reference's environment variables; command-line flags that were given win over both."""
+    if path is not None:
+        data = load_servers_config(path, overrides).model_dump()
+    elif overrides:
+        raise ConfigError("--set needs --config")
+    else:
+        data = config_from_env(environ)
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if not data.get("models"):
+        raise ConfigError("no models to serve: give --config FILE, --model NAME=PATH, --tiny NAME, "
+                          "or VLLM_MODEL_PATHS (and VLLM_MODEL_NAMES)")
+    try:
+        return ServersConfig.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(x) for x in e["loc"])
+        raise ConfigError(f"reward_servers.{where}: {e['msg'].removeprefix('Value error, ')}") from None

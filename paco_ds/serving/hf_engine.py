@@ -1,0 +1,371 @@
+"""The built-in reward engine: a Qwen2.5-VL (any transformers image-text-to-text checkpoint with a
+chat template) behind the OpenAI chat API, on CPU or GPU.
+
+vLLM needs a GPU and `transformers serve` ignores `logprobs`, so this engine implements what the
+consistency rewards use: `GET /v1/models`, `GET /health`, and `POST /v1/chat/completions` with
+text and data-URI images, greedy decoding, `max_tokens`, and `logprobs`/`top_logprobs` of the
+generated tokens in OpenAI's response schema. `GET /stats` counts requests and batches.
+
+Dynamic batching: each request is templated and preprocessed on its own (so a bad request fails
+alone, with a 400), then queued; a single worker takes what arrives within `batch_wait_ms` (up to
+`max_batch_size`), left-pads it into one batch and runs `generate` once. Batched and unbatched
+results agree to float rounding (tests/test_serving_hf_engine.py).
+
+    python -m paco_ds.serving.hf_engine --model /path/to/ckpt --served-model-name PaCo-Reward-7B --port 8000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from paco_ds.serving.config import API_KEY_ENV
+from paco_ds.serving.protocol import (ApiError, ChatCompletionRequest, Message, check_image_count, decode_data_uri,
+                                      install_common, parse_chat_request, read_json, serve)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # when a request names no max_tokens (the rewards always ask for 1)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Prepared:
+    """One request after templating and preprocessing: model inputs with a batch dimension of 1."""
+
+    inputs: dict[str, torch.Tensor]
+    max_tokens: int
+    top_logprobs: int  # 0: none
+    logprobs: bool
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens, including a final end-of-sequence token
+    logprobs: list[float]  # of each generated token
+    top: list[list[tuple[int, float]]]  # top-k (id, logprob) per generated token; [] when not asked
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+
+
+class Engine:
+    """A model and its processor; turns prepared requests into greedy generations with logprobs."""
+
+    def __init__(self, model, processor, max_model_len: int):
+        self.model, self.processor = model.eval(), processor
+        self.tokenizer = processor.tokenizer
+        self.max_model_len = max_model_len
+        self.device = next(model.parameters()).device
+        if processor.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the checkpoint has no chat template")
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
+        self._texts: dict[int, str] = {}
+
+    @classmethod
+    def load(cls, path: str | None, tiny: bool = False, device: str = "auto", dtype: str = "auto",
+             max_model_len: int = 8192) -> "Engine":
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+        torch_dtype = _DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if tiny:
+            from paco_ds.models.tiny import tiny_qwen2_5_vl
+
+            model, processor = tiny_qwen2_5_vl()
+        else:
+            if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
+                raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            path = os.path.expanduser(path)
+            processor = AutoProcessor.from_pretrained(path)
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+        return cls(model.to(device=dev, dtype=torch_dtype), processor, max_model_len)
+
+    # -------------------------------------------------------------------------------- requests
+    def prepare(self, req: ChatCompletionRequest, max_logprobs: int) -> Prepared:
+        """Template, decode images and preprocess one request; every problem is a 400 for it alone."""
+        if req.stream:
+            raise ApiError(400, "stream=true is not supported by the hf engine")
+        if req.n != 1:
+            raise ApiError(400, f"n={req.n}: the hf engine returns one choice per request")
+        if req.temperature not in (None, 0, 0.0):
+            raise ApiError(400, f"temperature={req.temperature}: the hf engine decodes greedily (temperature 0)")
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+        if top > max_logprobs:
+            raise ApiError(400, f"top_logprobs={top} exceeds this server's max_logprobs={max_logprobs}")
+        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+        messages, images = self._messages(req.messages)
+        try:
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+        except Exception as err:  # noqa: BLE001 - what the template or the processor refuses is the request's fault
+            raise ApiError(400, f"cannot process the request: {type(err).__name__}: {err}") from None
+        n = int(inputs["input_ids"].shape[1])
+        if n + max_tokens > self.max_model_len:
+            raise ApiError(400, f"prompt of {n} tokens + max_tokens {max_tokens} exceeds max_model_len "
+                                f"{self.max_model_len}")
+        return Prepared(dict(inputs), max_tokens, top, req.logprobs)
+
+    @staticmethod
+    def _messages(messages: list[Message]) -> tuple[list[dict], list]:
+        """OpenAI messages -> the processor's chat-template form, plus the images in order."""
+        out, images = [], []
+        for m in messages:
+            if isinstance(m.content, str):
+                out.append({"role": m.role, "content": [{"type": "text", "text": m.content}]})
+                continue
+            parts = []
+            for p in m.content:
+                if p.type == "image_url":
+                    if p.image_url is None:
+                        raise ApiError(400, "an image_url part has no 'image_url' object")
+                    images.append(decode_data_uri(p.image_url.url))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": p.text or ""})
+            out.append({"role": m.role, "content": parts})
+        return out, images
+
+    # -------------------------------------------------------------------------------- batches
+    def collate(self, items: list[Prepared]) -> dict[str, torch.Tensor]:
+        """Left-pad the per-token tensors to one length; concatenate the per-image ones."""
+        length = max(int(p.inputs["input_ids"].shape[1]) for p in items)
+        out = {}
+        for key, first in items[0].inputs.items():
+            if first.dim() == 2 and first.shape[0] == 1 and first.shape[1] == items[0].inputs["input_ids"].shape[1]:
+                pad = self.pad_id if key == "input_ids" else 0
+                out[key] = torch.cat([torch.nn.functional.pad(p.inputs[key], (length - p.inputs[key].shape[1], 0),
+                                                              value=pad) for p in items])
+            else:
+                out[key] = torch.cat([p.inputs[key] for p in items])
+        return out
+
+    @torch.no_grad()
+    def generate(self, items: list[Prepared]) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        batch = self.collate(items)
+        batch = {k: v.to(self.device, dtype=self.model.dtype if v.is_floating_point() else None)
+                 for k, v in batch.items()}
+        n_new = max(p.max_tokens for p in items)
+        config = GenerationConfig(max_new_tokens=n_new, do_sample=False, repetition_penalty=1.0,
+                                  eos_token_id=sorted(self.eos), pad_token_id=self.pad_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        out = self.model.generate(**batch, generation_config=config)
+        start = batch["input_ids"].shape[1]
+        steps = [s.float().log_softmax(-1) for s in out.logits]  # raw logits: no processor has touched them
+        results = []
+        for b, p in enumerate(items):
+            ids, lps, tops, reason = [], [], [], "length"
+            for s in range(min(p.max_tokens, len(steps))):
+                tid = int(out.sequences[b, start + s])
+                ids.append(tid)
+                lps.append(float(steps[s][b, tid]))
+                if p.top_logprobs:
+                    v, i = steps[s][b].topk(min(p.top_logprobs, steps[s].shape[-1]))
+                    tops.append(list(zip(i.tolist(), v.tolist())))
+                if tid in self.eos:
+                    reason = "stop"
+                    break
+            results.append(Generation(ids, lps, tops, reason, int(p.inputs["attention_mask"].sum())))
+        return results
+
+    def token_text(self, tid: int) -> str:
+        if tid not in self._texts:
+            self._texts[tid] = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
+        return self._texts[tid]
+
+    def completion_text(self, gen: Generation) -> str:
+        ids = [t for t in gen.token_ids if t not in self.eos]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class Batcher:
+    """Collects concurrent requests into batches for one worker thread (the model runs one batch at a time)."""
+
+    engine: Engine
+    max_batch_size: int
+    wait_s: float
+    stats: Counter = field(default_factory=Counter)
+
+    def __post_init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def submit(self, item: Prepared) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put((item, fut))
+        return await fut
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            deadline = loop.time() + self.wait_s
+            while len(batch) < self.max_batch_size:
+                if not self.queue.empty():
+                    batch.append(self.queue.get_nowait())
+                    continue
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            live = [(item, fut) for item, fut in batch if not fut.done()]  # a client may have gone away
+            if not live:
+                continue
+            # Requests asking for the same number of tokens share a generate call.
+            by_len: dict[int, list] = {}
+            for item, fut in live:
+                by_len.setdefault(item.max_tokens, []).append((item, fut))
+            for group in by_len.values():
+                self.stats["batches"] += 1
+                self.stats["batched_requests"] += len(group)
+                self.stats["max_batch"] = max(self.stats["max_batch"], len(group))
+                try:
+                    gens = await loop.run_in_executor(self.pool, self.engine.generate, [i for i, _ in group])
+                except Exception as err:  # noqa: BLE001 - reported to every waiting client as a 500
+                    log.exception("generation failed for a batch of %d", len(group))
+                    for _, fut in group:
+                        if not fut.done():
+                            fut.set_exception(err)
+                    continue
+                for (_, fut), gen in zip(group, gens):
+                    if not fut.done():
+                        fut.set_result(gen)
+
+
+def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
+               max_logprobs: int = 20, max_images: int = 2, max_body_mb: float = 64,
+               api_key_env: str | None = API_KEY_ENV):
+    max_body = int(max_body_mb * 2 ** 20)
+    created = int(time.time())
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher = Batcher(engine, max_batch_size, batch_wait_ms / 1000.0)
+        task = asyncio.create_task(batcher.run())
+        state["batcher"] = batcher
+        try:
+            yield
+        finally:
+            task.cancel()
+            batcher.pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="paco_ds hf engine", lifespan=lifespan)
+    install_common(app, api_key_env)
+    stats: Counter = Counter()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": created,
+                                            "owned_by": "paco_ds"}]}
+
+    @app.get("/stats")
+    async def get_stats():
+        return {**stats, **state["batcher"].stats}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        stats["requests"] += 1
+        try:
+            body = await read_json(request, max_body)
+            check_image_count(body, max_images)
+            req = parse_chat_request(body)
+            if req.model != served_name:
+                raise ApiError(404, f"model '{req.model}' is not served here; served: {served_name}")
+            prepared = await run_in_threadpool(engine.prepare, req, max_logprobs)
+            gen = await state["batcher"].submit(prepared)
+        except ApiError as err:
+            stats[f"errors_{err.status}"] += 1
+            raise
+        except Exception as err:  # noqa: BLE001 - a model failure is the server's fault: 500 with its reason
+            stats["errors_500"] += 1
+            raise ApiError(500, f"generation failed: {type(err).__name__}: {err}") from err
+        stats["completed"] += 1
+        return JSONResponse(_response(engine, served_name, prepared, gen))
+
+    return app
+
+
+def _response(engine: Engine, served_name: str, p: Prepared, gen: Generation) -> dict:
+    logprobs = None
+    if p.logprobs:
+        content = []
+        for s, (tid, lp) in enumerate(zip(gen.token_ids, gen.logprobs)):
+            text = engine.token_text(tid)
+            top = [{"token": engine.token_text(i), "logprob": v, "bytes": list(engine.token_text(i).encode())}
+                   for i, v in (gen.top[s] if gen.top else [])]
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
+        logprobs = {"content": content}
+    n_out = len(gen.token_ids)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": served_name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": engine.completion_text(gen)},
+                     "logprobs": logprobs, "finish_reason": gen.finish_reason}],
+        "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": n_out,
+                  "total_tokens": gen.prompt_tokens + n_out},
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Serve a Qwen2.5-VL judge over the OpenAI chat API (transformers).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory or hub id")
+    src.add_argument("--tiny", action="store_true", help="the tiny offline Qwen2.5-VL (tests and CPU demos)")
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-images", type=int, default=2)
+    p.add_argument("--max-body-mb", type=float, default=64)
+    p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer token")
+    p.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = Engine.load(args.model, args.tiny, args.device, args.dtype, args.max_model_len)
+    except (OSError, ValueError) as err:  # the manager shows this line as the reason the server died
+        log.error("cannot load model %s: %s", args.model, err)
+        raise SystemExit(2) from None
+    app = create_app(engine, args.served_model_name, max_batch_size=args.max_batch_size,
+                     batch_wait_ms=args.batch_wait_ms, max_logprobs=args.max_logprobs, max_images=args.max_images,
+                     max_body_mb=args.max_body_mb, api_key_env=args.api_key_env)
+    log.info("serving '%s' (%s) on http://%s:%d/v1 [%s, %s]", args.served_model_name,
+             "tiny" if args.tiny else args.model, args.host, args.port, engine.device, engine.model.dtype)
+    serve(app, args.host, args.port, exit_with_parent=args.exit_with_parent)
+
+
+if __name__ == "__main__":
+    main()

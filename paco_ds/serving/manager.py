@@ -1,0 +1,341 @@
+"""Start, check and stop reward servers; their state lives in `<state dir>/servers.json`.
+
+`plan` turns a `reward_servers` section into processes (engines, and a gateway when several
+models share one port); `start` launches them, waits until each answers with its models (a
+server that dies or stays silent past the timeout is reported with the tail of its log), and
+records name, role, port, pid and the process start time, so that `stop` never signals a
+recycled pid. A training run uses `started_for_run`: each node's local rank 0 starts the
+recipe's servers, every rank waits for them, and they stop when the run ends, however it ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+
+from paco_ds.errors import ConfigError, UserError
+from paco_ds.serving.config import ServersConfig
+from paco_ds.serving.vllm import split_gpus, vllm_command
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STATE_FILE = "servers.json"
+
+
+class ServerError(UserError):
+    """A reward server did not start, or the state directory is not what we expect."""
+
+
+@dataclass
+class ServerSpec:
+    """One process to run."""
+
+    name: str  # file-safe; names the log
+    role: str  # "engine" or "gateway"
+    argv: list[str]
+    host: str  # bind address
+    port: int
+    models: list[str]  # served model names reachable at this address
+    env: dict[str, str] = field(default_factory=dict)  # additions to the environment (may hold a token)
+
+    @property
+    def url(self) -> str:
+        """The base URL a client on this node uses (a wildcard bind is reached on loopback)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def visible_gpus(cfg: ServersConfig, environ=os.environ) -> list[int]:
+    if cfg.gpus is not None:
+        return list(cfg.gpus)
+    if environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return [int(g) for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,
+         port_for: Callable[[], int] = free_port, environ=os.environ) -> list[ServerSpec]:
+    """The processes for a config: engines first, then the gateway (if the layout has one).
+    Port 0 in the config means a free port from `port_for`."""
+    layout, n = cfg.resolved_layout, len(cfg.models)
+    if layout == "gateway":
+        hosts = ["127.0.0.1"] * n  # backends stay on loopback; only the gateway is public
+        ports = [cfg.backend_base_port + i if cfg.backend_base_port else port_for() for i in range(n)]
+    else:
+        hosts = [cfg.host] * n
+        ports = [cfg.port + i if cfg.port else port_for() for i in range(n)]
+    if cfg.engine == "vllm" and not gpus:
+        raise ConfigError("reward_servers.engine 'vllm' needs GPUs and none are visible (set reward_servers.gpus or "
+                          "CUDA_VISIBLE_DEVICES); on a CPU machine use engine: hf")
+    blocks = split_gpus(gpus, n) if gpus else [[] for _ in range(n)]
+    tail = ["--exit-with-parent"] if exit_with_parent else []
+    specs = []
+    for model, host, port, block in zip(cfg.models, hosts, ports, blocks):
+        if cfg.engine == "vllm":
+            argv, env = vllm_command(model, cfg, host, port, block, environ)
+        else:
+            source = ["--tiny"] if model.tiny else ["--model", str(model.path)]
+            argv = [sys.executable, "-m", "paco_ds.serving.hf_engine", *source, "--served-model-name", model.name,
+                    "--host", host, "--port", str(port), "--device", cfg.device, "--dtype", cfg.dtype,
+                    "--max-model-len", str(cfg.max_model_len), "--max-batch-size", str(cfg.max_batch_size),
+                    "--batch-wait-ms", f"{cfg.batch_wait_ms:g}", "--max-logprobs", str(cfg.max_logprobs),
+                    "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
+                    "--api-key-env", cfg.api_key_env, *tail]
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, block))} if block else {}
+        specs.append(ServerSpec(_safe(model.name), "engine", argv, host, port, [model.name], env))
+    if layout == "gateway":
+        port = cfg.port or port_for()
+        routes = [a for s in specs for a in ("--backend", f"{s.models[0]}={s.url}")]
+        argv = [sys.executable, "-m", "paco_ds.serving.gateway", *routes, "--host", cfg.host, "--port", str(port),
+                "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
+                "--api-key-env", cfg.api_key_env, *tail]
+        specs.append(ServerSpec("gateway", "gateway", argv, cfg.host, port, [m.name for m in cfg.models]))
+    return specs
+
+
+def endpoints(specs: list[ServerSpec]) -> dict[str, str]:
+    """Served model name -> the OpenAI base URL clients use (the gateway's when there is one)."""
+    out: dict[str, str] = {}
+    for s in specs:  # the gateway comes last and so wins
+        out.update({m: f"{s.url}/v1" for m in s.models})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes and their state
+# ------------------------------------------------------------------------------------------------
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of a process (field 22 of /proc/pid/stat), to recognise it later."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start_time: str | None = None) -> bool:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+        return False
+    return start_time is None or _start_time(pid) == start_time
+
+
+def read_state(state_dir: str | Path) -> dict:
+    path = Path(state_dir) / STATE_FILE
+    if not path.is_file():
+        raise ServerError(f"no reward servers recorded in {state_dir} ({STATE_FILE} not found)")
+    return json.loads(path.read_text())
+
+
+def _write_state(state_dir: Path, state: dict) -> None:
+    tmp = state_dir / f".{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(state_dir / STATE_FILE)
+
+
+def _log_tail(path: Path, n: int = 8) -> str:
+    try:
+        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(lines[-n:]) or "(empty log)"
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _ready(spec: ServerSpec, token: str | None) -> bool:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        if spec.role == "gateway":
+            return httpx.get(f"{spec.url}/health", timeout=2.0).status_code == 200
+        r = httpx.get(f"{spec.url}/v1/models", headers=headers, timeout=2.0)
+        return r.status_code == 200 and set(spec.models) <= {m.get("id") for m in r.json().get("data", [])}
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _wait(started: list[tuple[ServerSpec, subprocess.Popen, Path]], timeout: float, token: str | None) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(started)
+    while pending:
+        for item in list(pending):
+            spec, proc, log = item
+            if proc.poll() is not None:
+                raise ServerError(f"reward server '{spec.name}' exited with code {proc.returncode} while starting "
+                                  f"(log {log}): {_log_tail(log)}")
+            if _ready(spec, token):
+                pending.remove(item)
+        if pending and time.monotonic() > deadline:
+            spec, _, log = pending[0]
+            raise ServerError(f"reward server '{spec.name}' was not ready on {spec.url} after {timeout:g}s "
+                              f"(reward_servers.startup_timeout; log {log}): {_log_tail(log)}")
+        if pending:
+            time.sleep(0.2)
+
+
+def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = False) -> dict:
+    """Start the servers of `cfg`, wait until they serve, record them; returns the state."""
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if (state_dir / STATE_FILE).is_file():
+        live = [s for s in read_state(state_dir)["servers"] if _alive(s["pid"], s.get("start_time"))]
+        if live:
+            raise ServerError(f"reward servers recorded in {state_dir} are still running (pids "
+                              f"{', '.join(str(s['pid']) for s in live)}); stop them first: "
+                              f"launch/serve_reward.py stop --run-dir {state_dir}")
+        (state_dir / STATE_FILE).unlink()
+    specs = plan(cfg, visible_gpus(cfg), exit_with_parent)
+    if cfg.engine == "vllm" and shutil.which("vllm") is None:
+        raise ServerError("reward_servers.engine is 'vllm' but the vllm command is not installed here "
+                          "(vLLM runs on GPU machines: pip install vllm); on CPU use engine: hf")
+    for s in specs:
+        if _port_in_use(s.host, s.port):
+            raise ServerError(f"port {s.port} on {s.host} is already in use (reward server '{s.name}'): "
+                              "choose another reward_servers.port, or 0 for a free one")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    token = os.environ.get(cfg.api_key_env)
+    started: list[tuple[ServerSpec, subprocess.Popen, Path]] = []
+    state = {"version": 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engine": cfg.engine,
+             "layout": cfg.resolved_layout, "endpoints": endpoints(specs), "servers": []}
+
+    def launch(group: list[ServerSpec]) -> None:
+        if not group:
+            return
+        for spec in group:
+            log = state_dir / f"{spec.name}.log"
+            with log.open("w") as fh:
+                proc = subprocess.Popen(spec.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env={**env, **spec.env}, start_new_session=True)
+            started.append((spec, proc, log))
+            record = {k: v for k, v in asdict(spec).items() if k != "env"}  # the env may hold a token
+            state["servers"].append({**record, "url": spec.url, "pid": proc.pid, "start_time": _start_time(proc.pid),
+                                     "log": str(log)})
+        _write_state(state_dir, state)  # before waiting: `stop` can clean up even if we die now
+        _wait(started[-len(group):], cfg.startup_timeout, token)
+
+    try:
+        launch([s for s in specs if s.role == "engine"])  # engines load in parallel
+        launch([s for s in specs if s.role == "gateway"])
+    except BaseException:
+        stop(state_dir)
+        raise
+    return state
+
+
+def stop(state_dir: str | Path, timeout: float = 10.0) -> list[str]:
+    """Stop the recorded servers (gateway first): SIGTERM to each process group, SIGKILL after
+    `timeout`. Returns the names of the servers that were running. Removes the state file."""
+    state_dir = Path(state_dir)
+    if not (state_dir / STATE_FILE).is_file():
+        return []
+    servers = read_state(state_dir)["servers"]
+    running = [s for s in reversed(servers) if _alive(s["pid"], s.get("start_time"))]
+    for s in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(s["pid"], signal.SIGTERM)  # the group: vLLM's workers too
+    deadline = time.monotonic() + timeout
+    while any(_alive(s["pid"], s.get("start_time")) for s in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for s in running:
+        if _alive(s["pid"], s.get("start_time")):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(s["pid"], signal.SIGKILL)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    return [s["name"] for s in running]
+
+
+def status(state_dir: str | Path) -> list[dict]:
+    """Each recorded server with whether its process is alive and what /health answers."""
+    out = []
+    for s in read_state(state_dir)["servers"]:
+        alive = _alive(s["pid"], s.get("start_time"))
+        health = "-"
+        if alive:
+            try:
+                health = str(httpx.get(f"{s['url']}/health", timeout=2.0).status_code)
+            except httpx.HTTPError as err:
+                health = type(err).__name__
+        out.append({**s, "alive": alive, "health": health})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Servers owned by a training run
+# ------------------------------------------------------------------------------------------------
+def run_state_dir(run_dir: str | Path) -> Path:
+    """Per node: each node's local rank 0 starts its own servers and its ranks use them on loopback."""
+    return Path(run_dir) / "reward_servers" / socket.gethostname()
+
+
+def endpoints_for_run(cfg: ServersConfig | None, run_dir: str | Path) -> dict[str, str]:
+    """Served model -> base URL of the servers this run started on this node ({} without any)."""
+    return read_state(run_state_dir(run_dir))["endpoints"] if cfg is not None else {}
+
+
+@contextlib.contextmanager
+def started_for_run(cfg: ServersConfig | None, run_dir: str | Path, local_rank: int) -> Iterator[None]:
+    """Start the recipe's servers on local rank 0 of each node; every rank waits (a collective)
+    until they are ready or one failed; stop them when the block exits, SIGTERM included."""
+    if cfg is None:
+        yield
+        return
+    from paco_ds.distributed import all_gather_object
+
+    state_dir = run_state_dir(run_dir)
+    owner = local_rank == 0
+    error = None
+    previous = None
+    if owner:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` runs when the launcher stops us
+        try:
+            start(cfg, state_dir, exit_with_parent=True)
+        except UserError as err:
+            error = str(err)
+    try:
+        errors = [e for e in all_gather_object(error) if e]
+        if errors:
+            raise ServerError(errors[0])
+        yield
+    finally:
+        if owner:
+            stop(state_dir)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)

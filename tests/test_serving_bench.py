@@ -1,0 +1,27 @@
+"""The serving benchmarks run end to end against a real hf-engine server and write their JSON."""
+import json
+
+from conftest import run_cli
+
+
+def test_load_8_clients_x_50_requests_without_errors(tmp_path):
+    out = run_cli("benchmarks/serve_load.py", "--clients", "8", "--requests", "50", "--image-size", "64",
+                  "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "req/s" in out.stdout and "p50 ms" in out.stdout and "p99 ms" in out.stdout
+    res = json.loads((tmp_path / "serve_load.json").read_text())["result"]
+    assert res["requests"] == res["ok"] == 400 and res["errors"] == 0
+    assert res["req_per_s"] > 0 and 0 < res["latency_ms"]["p50"] <= res["latency_ms"]["p99"]
+    assert res["server"]["completed"] == 400 and res["server"]["batched_requests"] == 400
+
+
+def test_reward_overlap_benchmark_reports_the_hidden_fraction(tmp_path):
+    out = run_cli("benchmarks/reward_overlap.py", "--batches", "2", "--repeats", "1", "--resolution", "64",
+                  "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "hidden fraction" in out.stdout
+    rep = json.loads((tmp_path / "reward_overlap.json").read_text())
+    assert rep["settings"]["requests_per_epoch"] == 6 * 2  # 6 pair requests per 2x2 image
+    assert rep["valid_scores"] == 2 and rep["reward_s"] > 0
+    assert rep["hidden_fraction"] == 1 - rep["exposed_s"] / rep["reward_s"]
+    assert set(rep["median_epoch_s"]) == {"none", "inline", "overlap"}

@@ -1,0 +1,82 @@
+"""The tiny T2IS recipe with the consistency judge served by the run itself (2 ZeRO-3 processes on
+CPU): the judge server is killed after the first epoch. With on_failure: raise the run stops
+within the retry budget naming the endpoint; with mask it finishes and counts what it masked."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, TINY
+from paco_ds.serving.manager import free_port
+
+BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take a second to answer)
+
+
+def _launch(tmp_path, *sets):
+    consistency = ("{consistency_score: {weight: 1.0, model: paco-reward-tiny, top_logprobs: 512, "
+                   f"retry_budget: {BUDGET}, backoff: 0.1}}}}")
+    args = [str(REPO / ".venv/bin/deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            str(REPO / "launch/train.py"), "--config", str(TINY), "--set", f"output_dir={tmp_path}",
+            "--set", f"rewards.train.terms={consistency}", "--set", "test.eval_freq=0",
+            "--set", "checkpoint.save_freq=0", "--set", "logging.num_train_images=0"]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    log = (tmp_path / "run.log").open("w")
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
+    """Wait for epoch 0's metrics, then SIGKILL the judge server; returns its base URL and the time."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None, "the run ended before its first epoch"
+        assert time.monotonic() < deadline, "no epoch within the time limit"
+        time.sleep(0.2)
+    (state_file,) = (run_dir / "reward_servers").glob("*/servers.json")
+    state = json.loads(state_file.read_text())
+    os.kill(state["servers"][0]["pid"], signal.SIGKILL)
+    return state["endpoints"]["paco-reward-tiny"], time.monotonic()
+
+
+def _finish(proc, timeout):
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run did not stop within {timeout}s")
+
+
+def test_judge_killed_with_raise_stops_the_run_naming_the_endpoint(tmp_path):
+    proc = _launch(tmp_path, "train.num_epochs=6", "rewards.train.on_failure=raise")
+    url, killed = _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
+    code = _finish(proc, timeout=60)
+    elapsed = time.monotonic() - killed
+    out = (tmp_path / "run.log").read_text()
+    assert code != 0
+    assert f"reward server {url} (model 'paco-reward-tiny')" in out and "connection failed" in out
+    assert "Traceback" not in out  # a reward server failure is a user-facing one-liner
+    # Stopped in the first epoch after the kill: one retry budget plus process teardown.
+    lines = (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().strip().splitlines()
+    assert len(lines) <= 2 and elapsed < 30, (len(lines), elapsed)
+
+
+def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path):
+    proc = _launch(tmp_path, "train.num_epochs=3", "rewards.train.on_failure=mask",
+                   "train.max_consecutive_nonfinite=10")
+    _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
+    code = _finish(proc, timeout=120)
+    out = (tmp_path / "run.log").read_text()
+    assert code == 0, out[-3000:]
+    rows = [json.loads(l) for l in (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert rows[0]["reward/masked"] == 0 and rows[0]["reward/failures"] == 0
+    samples = 2 * 4  # prompts per epoch x group size
+    assert rows[-1]["reward/masked"] == samples  # the last epoch had no judge at all
+    assert rows[-1]["reward/failures"] >= samples  # cumulative over ranks and epochs
+    assert "reward 'consistency_score' failed on" in out and "(masked)" in out
