@@ -5,7 +5,7 @@ median over epochs after the first (warm-up) of: sampling, waiting for rewards a
 training, and images per second. Settings: two train resolutions, and, under ZeRO-3, the rollout
 with parameters gathered once for the whole phase versus gathered per denoising step.
 
-    python -m benchmarks.grpo_epoch [--epochs 4] [--nproc 2] [--resolutions 64 128]
+    python benchmarks/grpo_epoch.py [--epochs 4] [--nproc 2] [--resolutions 64 128]
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.machine import command_line, machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, RESULTS, machine, write_report  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("time/sample", "time/reward_wait", "time/train", "time/epoch", "images_per_sec")
 
 
@@ -58,9 +58,10 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--resolutions", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "grpo_epoch_cpu.json"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
-    info = {"command": command_line(), "machine": machine_info(), "runs": []}
+    started = machine()
+    info = {"runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         port = 29800
         for res in args.resolutions:
@@ -78,9 +79,8 @@ def main(argv=None) -> None:
         ratio = per["time/sample"] / once["time/sample"]
         info.setdefault("sample_time_per_step_over_once", {})[str(res)] = ratio
         print(f"{res} px: per-step gathering takes {ratio:.2f}x the sampling time of gather-once")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(info, indent=2))
-    print(f"wrote {args.out}")
+    name = "grpo_epoch_" + ("gpu" if _has_cuda() else "cpu")
+    print(f"wrote {write_report(name, info, Path(args.out), started)}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = load_config(TINY_RECIPE)
-    policy = FluxPolicy.load(cfg.model, torch.device("cpu"), seed=cfg.seed)
+    policy = FluxPolicy.load(cfg.model, torch.device("cpu"))
     items = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
     h = w = args.resolution
 

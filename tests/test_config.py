@@ -24,7 +24,8 @@ def test_flux_t2is_recipe_has_the_paper_values():
 
 def test_tiny_recipe_extends_the_real_one(tiny_cfg):
     assert tiny_cfg.model.tiny and tiny_cfg.model.path == "black-forest-labs/FLUX.1-dev"  # inherited
-    assert tiny_cfg.sample.noise_level == 0.7  # inherited
+    assert tiny_cfg.sample.guidance_scale == 3.5  # inherited
+    assert tiny_cfg.sample.noise_steps == list(range(6)) and tiny_cfg.train_timesteps == list(range(6))
     assert tiny_cfg.train.resolution == 64 and tiny_cfg.test.resolution == 128
     # `_replace: true` replaced the set: the real recipe's consistency term (with its base_url) is not merged in
     assert "base_url" not in tiny_cfg.rewards.train.terms["consistency_score"].kwargs
@@ -76,7 +77,7 @@ def test_more_trained_steps_raise_accumulation():
 
 def test_trained_steps_must_be_noised():
     with pytest.raises(ConfigError, match="not in sample.noise_steps"):
-        load_config(TINY, ["train.timesteps=[2]"])
+        load_config(TINY, ["sample.noise_steps=[1]", "train.timesteps=[2]"])
 
 
 def _one_line_error(proc):
@@ -97,7 +98,8 @@ def _dry_run(*sets, world=2):
 def test_cli_dry_run_prints_the_plan():
     out = _dry_run()
     assert out.returncode == 0, out.stderr
-    assert "gradient accumulation      2" in out.stdout and "group size k               4" in out.stdout
+    # 2 prompts x 8 images over 2 ranks = 8 samples x 6 trained steps = 48 micro-steps, 2 optimizer steps
+    assert "gradient accumulation      24" in out.stdout and "group size k               8" in out.stdout
 
 
 def test_error_unknown_key_names_the_closest_valid_key():

@@ -21,7 +21,8 @@ def _launch(tmp_path, *sets):
     args = [str(REPO / ".venv/bin/deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
             str(REPO / "launch/train.py"), "--config", str(TINY), "--set", f"output_dir={tmp_path}",
             "--set", f"rewards.train.terms={consistency}", "--set", "test.eval_freq=0",
-            "--set", "checkpoint.save_freq=0", "--set", "logging.num_train_images=0"]
+            "--set", "checkpoint.save_freq=0", "--set", "logging.num_train_images=0",
+            "--set", "sample.group_size=4", "--set", "sample.noise_steps=[1]"]  # 8 samples, 1 trained step
     for s in sets:
         args += ["--set", s]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
