@@ -36,10 +36,10 @@ import torch
 
 IGNORE_INDEX = -100
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Auto chunk: as many rows as keep one fp32 logits chunk within this budget (256 MiB: 441 rows at
-# a 152k vocabulary, rounded down to 256), measured in benchmarks/weighted_ce.py to be as fast as
-# larger chunks on CPU. The torch rows add one temporary of the same size.
-CHUNK_BUDGET_BYTES = 256 * 2**20
+# Auto chunk: the largest power of two of rows whose fp32 logits fit this budget (1 GiB: 1024 rows
+# at a 152k vocabulary, 0.6 GB). On the 2-core CPU, 256-row chunks ran 4x slower than 1024-row
+# ones (a slower GEMM path at small M) and 2048 no faster (benchmarks/weighted_ce.py --chunk-size).
+CHUNK_BUDGET_BYTES = 2**30
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 
 
@@ -62,14 +62,17 @@ RowFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.T
 def rows_torch(logits: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, write_grad: bool):
     """(ce fp32 [C], argmax int64 [C]) of a logits chunk [C, V]; with `write_grad` the chunk is
     overwritten with coef * (softmax - onehot(labels)), in its own dtype."""
-    x = logits.float()  # the chunk itself when fp32, an fp32 copy otherwise
-    lse = torch.logsumexp(x, dim=1)
-    pred = x.argmax(dim=1)
-    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    # In place on one fp32 buffer (the chunk itself when fp32): no [C, V] temporaries.
+    x = logits.float()
+    rows = torch.arange(x.shape[0], device=x.device)
+    target = x[rows, labels]
+    top, pred = x.max(dim=1)  # the first index of the maximum, as argmax
+    x.sub_(top[:, None]).exp_()
+    total = x.sum(dim=1)
+    ce = top + total.log() - target
     if write_grad:
-        x.sub_(lse[:, None]).exp_()
-        x[torch.arange(x.shape[0], device=x.device), labels] -= 1
-        x.mul_(coef[:, None])
+        x.mul_((coef / total)[:, None])  # coef * softmax
+        x[rows, labels] -= coef
         if x is not logits:
             logits.copy_(x)
     return ce, pred
@@ -110,16 +113,19 @@ def fused_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     gh = torch.empty_like(hv) if need_grad_hidden else None
     gw = torch.zeros(v, h, dtype=torch.float32, device=weight.device) if need_grad_weight else None
     write_grad = need_grad_hidden or need_grad_weight
+    # One logits buffer for all chunks (in the input dtype, as nn.Linear computes them): on CPU a
+    # fresh 0.6 GB allocation per chunk costs as much in page faults as the row kernel itself.
+    buf = torch.empty(min(chunk_size, nv), v, dtype=hidden.dtype, device=hidden.device)
     for s in range(0, nv, chunk_size):
         e = min(nv, s + chunk_size)
         hc = hv[s:e]
-        logits = hc @ weight.t()  # [c, V], the input dtype
+        logits = torch.matmul(hc, weight.t(), out=buf[:e - s])  # [c, V]
         ce[s:e], pred[s:e] = rows(logits, yv[s:e], cv[s:e], write_grad)
         if gh is not None:
             torch.matmul(logits, weight, out=gh[s:e])
         if gw is not None:
             gw.addmm_(logits.t().float(), hc.float())
-        del logits
+    del buf
     loss = (ce * cv).sum()
     token_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device).index_copy_(0, keep, ce)
     predictions = torch.full((n,), ignore_index, dtype=torch.int64, device=hidden.device).index_copy_(0, keep, pred)
