@@ -37,8 +37,9 @@ import torch
 IGNORE_INDEX = -100
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Auto chunk: the largest power of two of rows whose fp32 logits fit this budget (1 GiB: 1024 rows
-# at a 152k vocabulary, 0.6 GB). On the 2-core CPU, 256-row chunks ran 4x slower than 1024-row
-# ones (a slower GEMM path at small M) and 2048 no faster (benchmarks/weighted_ce.py --chunk-size).
+# at a 152k vocabulary, 0.6 GB). Smaller chunks cost time on CPU, where small-M GEMMs are slower
+# (256 rows took 4x longer than 1024 in a quiet run of the 2-core machine, 4096 x 152k x 256 fp32);
+# larger ones only cost memory.
 CHUNK_BUDGET_BYTES = 2**30
 MIN_CHUNK, MAX_CHUNK = 16, 4096
 
