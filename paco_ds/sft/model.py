@@ -213,5 +213,10 @@ class RewardSFTModel(nn.Module):
 
 
 def enable_gradient_checkpointing(peft_model: nn.Module) -> None:
+    """Recompute the decoder layers in backward (non-reentrant: the frozen inputs need no grad)."""
     base = peft_model.get_base_model()
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # older transformers (the GPU image's 5.17)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
