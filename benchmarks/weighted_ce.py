@@ -116,7 +116,8 @@ def variants(h, w, labels, alpha: float, chunk_size: int | None):
 def machine(device: torch.device) -> dict:
     info = {"cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
-    cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else None
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = re.search(r"model name\s*:\s*(.+)", cpuinfo)
     info["cpu"] = cpu.group(1).strip() if cpu else platform.processor()
     info["ram_gib"] = round(int(re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1))
                             / 2**20, 1)

@@ -46,10 +46,12 @@ def test_bad_data_is_one_line_and_exit_code_2(tmp_path, case):
 
 def test_bad_command_lines(tmp_path):
     out = run_cli("launch/sft.py", "--config", TINY, "--set", "train.batch_sise=2")
-    assert out.returncode == 2 and "unknown config key 'train.batch_sise' (did you mean 'train.batch_size'?)" in out.stderr
+    assert out.returncode == 2
+    assert "unknown config key 'train.batch_sise' (did you mean 'train.batch_size'?)" in out.stderr
     out = run_cli("launch/sft.py", "export", "--config", TINY, "--set", f"output_dir={tmp_path}")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"sft: error: export: no checkpoint in {tmp_path / 'tiny_reward_sft' / 'checkpoints'} "
         "(train first, or pass --checkpoint DIR or --adapter DIR)"]
     out = run_cli("launch/sft.py", "export", "--config", TINY, "--adapter", str(tmp_path))
-    assert out.returncode == 2 and out.stderr.strip() == f"sft: error: no peft adapter (adapter_config.json) in {tmp_path}"
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"sft: error: no peft adapter (adapter_config.json) in {tmp_path}"

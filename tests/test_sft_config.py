@@ -41,7 +41,8 @@ def test_mistakes_are_one_line_with_the_place(tmp_path):
         load_sft_config(TINY, ["train.first_token_weight=1.5"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("extends: " + str(TINY) + "\ndata:\n  train_files: [x.json]\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml:2: config key 'data': .*either train_files/eval_files or synthetic"):
+    with pytest.raises(ConfigError,
+                       match=r"bad.yaml:2: config key 'data': .*either train_files/eval_files or synthetic"):
         load_sft_config(bad)
 
 

@@ -80,7 +80,8 @@ def test_cutoff_cuts_the_answer_and_rejects_a_long_prompt(tmp_path, processor):
     assert len(cut.input_ids) == n_prompt + 3 and (cut.labels != IGNORE_INDEX).sum() == 3
     enc = encoder(processor, cutoff=n_prompt)
     assert enc.prompt_length(r) == n_prompt
-    with pytest.raises(DataError, match=rf"d.json: record 0: the prompt is {n_prompt} tokens .*data.cutoff_len is {n_prompt}"):
+    with pytest.raises(DataError,
+                       match=rf"d.json: record 0: the prompt is {n_prompt} tokens .*data.cutoff_len is {n_prompt}"):
         enc.check(r)
     ds = SFTDataset([r, r], enc)
     assert ds.first_error([1])[0] == 1 and SFTDataset([r], encoder(processor)).first_error([0]) is None

@@ -31,7 +31,8 @@ class SFTModelConfig(Section):
     @model_validator(mode="after")
     def _pixels(self) -> "SFTModelConfig":
         if self.image_min_pixels > self.image_max_pixels:
-            raise ValueError(f"image_min_pixels={self.image_min_pixels} exceeds image_max_pixels={self.image_max_pixels}")
+            raise ValueError(f"image_min_pixels={self.image_min_pixels} exceeds "
+                             f"image_max_pixels={self.image_max_pixels}")
         return self
 
 

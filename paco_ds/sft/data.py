@@ -279,8 +279,9 @@ class Collator:
         for i, e in enumerate(examples):
             n = len(e.input_ids)
             ids[i, :n], labels[i, :n], mask[i, :n] = e.input_ids, e.labels, 1
-        return Batch(ids, mask, labels, (ids == self.image_pad_id).long(), torch.cat([e.pixel_values for e in examples]),
-                     torch.cat([e.image_grid_thw for e in examples]), [e.index for e in examples])
+        return Batch(ids, mask, labels, (ids == self.image_pad_id).long(),
+                     torch.cat([e.pixel_values for e in examples]), torch.cat([e.image_grid_thw for e in examples]),
+                     [e.index for e in examples])
 
 
 # ------------------------------------------------------------------------------------------ batch order

@@ -83,7 +83,8 @@ def sft_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.T
     return SFTLoss(out.loss, shifted, out.token_loss, out.predictions)
 
 
-def sequence_stats(shifted: torch.Tensor, predictions: torch.Tensor, token_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+def sequence_stats(shifted: torch.Tensor, predictions: torch.Tensor,
+                   token_loss: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per sequence: token accuracy (mean over its supervised tokens), first-token correctness and
     first-token CE, and its number of supervised tokens; as the reference's ComputeAccuracy, the
     accuracies are averaged over sequences, not tokens."""
@@ -91,5 +92,6 @@ def sequence_stats(shifted: torch.Tensor, predictions: torch.Tensor, token_loss:
     n = mask.sum(dim=1)
     correct = (predictions == shifted) & mask
     first = mask & (mask.cumsum(dim=1) == 1)
-    return {"token_acc": correct.sum(dim=1).float() / n.clamp_min(1), "first_correct": (correct & first).any(dim=1).float(),
+    return {"token_acc": correct.sum(dim=1).float() / n.clamp_min(1),
+            "first_correct": (correct & first).any(dim=1).float(),
             "first_loss": (token_loss * first).sum(dim=1), "n_tokens": n.float()}

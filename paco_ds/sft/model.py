@@ -82,7 +82,8 @@ def load_processor(path, cfg: SFTConfig):
         proc = AutoProcessor.from_pretrained(str(path), revision=cfg.model.revision)
     except OSError as err:
         raise ConfigError(f"config key 'model.path': cannot load a processor from {path} ({err})") from None
-    proc.image_processor.size = {"shortest_edge": cfg.model.image_min_pixels, "longest_edge": cfg.model.image_max_pixels}
+    proc.image_processor.size = {"shortest_edge": cfg.model.image_min_pixels,
+                                 "longest_edge": cfg.model.image_max_pixels}
     return proc
 
 

@@ -160,8 +160,9 @@ class SFTTrainer:
             trainable = sum(r["full"] for r in rows if r["trainable"])
             print(f"run directory: {self.run_dir} | {len(self.train_set)} train records, "
                   f"{len(self.eval_set) if self.eval_set else 0} eval | {self.steps_per_epoch} optimizer steps per "
-                  f"epoch x {cfg.train.num_epochs} | world size {self.dist.world_size}, ZeRO-{zero_stage(self.ds_config)}: "
-                  f"rank 0 holds {held:.1%} of the parameters; {trainable:,} trainable (LoRA)", flush=True)
+                  f"epoch x {cfg.train.num_epochs} | world size {self.dist.world_size}, "
+                  f"ZeRO-{zero_stage(self.ds_config)}: rank 0 holds {held:.1%} of the parameters; "
+                  f"{trainable:,} trainable (LoRA)", flush=True)
         if cfg.eval.at_start and self.global_step == 0 and self.eval_set is not None:
             self._log_eval(self.evaluate())
         saving = cfg.checkpoint.every_epochs > 0 or cfg.checkpoint.every_steps > 0
@@ -197,8 +198,7 @@ class SFTTrainer:
             group_start = m - m % ga
             group_len = min(ga, len(batches) - group_start)
             boundary = m + 1 == group_start + group_len
-            if boundary:
-                lr = float(self.engine.get_lr()[0])  # the rate this optimizer step applies
+            lr = float(self.engine.get_lr()[0])  # the rate this group's optimizer step applies
             out = self.engine(**batch.model_inputs(self.dist.device))
             self.engine.set_gradient_accumulation_boundary(boundary)
             self.engine.backward(out.loss / group_len, scale_wrt_gas=False)
@@ -249,10 +249,10 @@ class SFTTrainer:
             w = first_token_weights(out.shifted, cfg.train.first_token_weight, cfg.train.first_token_weight_mode)
             weighted = (w * out.token_loss).sum(dim=1)
             stats = sequence_stats(out.shifted, out.predictions, out.token_loss)
+            keys = ("n_tokens", "token_acc", "first_correct", "first_loss")
             for j, (index, keep) in enumerate(zip(batch.indices, counted)):
                 if keep:
-                    rows.append((index, weighted[j].item(), *(stats[k][j].item() for k in
-                                                              ("n_tokens", "token_acc", "first_correct", "first_loss"))))
+                    rows.append((index, weighted[j].item(), *(stats[k][j].item() for k in keys)))
         self.engine.train()
         table = np.array(sorted(r for rs in all_gather_object(rows) for r in rs), dtype=np.float64)
         return {"eval/loss": table[:, 1].sum() / table[:, 2].sum(), "eval/token_acc": table[:, 3].mean(),
