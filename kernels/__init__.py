@@ -9,6 +9,7 @@
 Where a backend has no kernel for an op, the op runs the torch version: the PPO loss and the
 advantages work on [B] and [K, N] vectors, so "cpp" runs them in torch; an ODE step (noise level 0)
 and inputs whose x and v dtypes differ or are not fp32/bf16/fp16 run the torch reference too.
+The fused linear + cross-entropy of the reward-model SFT runs chunked torch rows on CPU ("cpp" too).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from paco_ds.sampling.sde import SDEStep, kl_to_reference as _kl_ref, sde_step a
 
 from . import grpo as _grpo
 from . import sde_logprob as _sde
+from . import weighted_ce as _wce
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 
@@ -102,6 +104,17 @@ def kl_to_reference(mean, mean_ref, std, backend="auto"):
     if which == "torch":
         return _kl_ref(mean, mean_ref, std)
     return _sde.kl_to_reference(mean, mean_ref, std, backend=which)
+
+
+def weighted_linear_ce(hidden, weight, labels, coef=None, *, normalizer=None, ignore_index=-100, chunk_size=None,
+                       backend="auto") -> _wce.WeightedCE:
+    """sum_j coef_j * CE(hidden_j W^T, label_j) / normalizer without materialising the logits;
+    see kernels/weighted_ce.py. Returns (loss, per-row CE, per-row argmax)."""
+    on_cpu = hidden.device.type == "cpu"
+    # No C++ kernel for this op: "auto" and "cpp" on CPU run the torch rows without building csrc/.
+    which = "torch" if on_cpu and backend in ("auto", "cpp") else resolve(backend, hidden.device)
+    return _wce.weighted_linear_ce(hidden, weight, labels, coef, normalizer=normalizer, ignore_index=ignore_index,
+                                   chunk_size=chunk_size, backend=which)
 
 
 def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip, backend="auto"):

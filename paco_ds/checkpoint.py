@@ -48,8 +48,10 @@ class CheckpointManager:
         return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
                       and (p / "meta.json").is_file())
 
-    def save(self, engine, tag: str, state: dict, meta: dict) -> Path:
-        """Collective: every rank calls it. `state` is this rank's state, `meta` rank 0's summary."""
+    def save(self, engine, tag: str, state: dict, meta: dict, write_extra=None) -> Path:
+        """Collective: every rank calls it. `state` is this rank's state, `meta` rank 0's summary.
+        `write_extra(staging_dir)`, when given, writes more files on rank 0 before the checkpoint is
+        published (e.g. an exported adapter), so they are part of the atomic checkpoint."""
         staging = self.root / f".staging-{tag}"
         if self.is_main:
             for old in self.root.glob(".staging-*"):
@@ -62,6 +64,8 @@ class CheckpointManager:
         barrier()
         final = self.root / tag
         if self.is_main:
+            if write_extra is not None:
+                write_extra(staging)
             (staging / "meta.json").write_text(json.dumps(meta, indent=2))
             if final.exists():
                 shutil.rmtree(final)

@@ -234,7 +234,31 @@ class KernelsConfig(Section):
     backend: Literal["auto", "triton", "cpp", "torch"] = "auto"
 
 
-class Config(Section):
+class Recipe(Section):
+    """A top-level recipe (GRPO or reward SFT): where it came from, and the paths it implies.
+    Subclasses define `run_name` and `output_dir`."""
+
+    # Where the recipe came from; paths inside it resolve against this directory.
+    source: str | None = None
+
+    def resolve_path(self, path: str) -> Path:
+        """A path from the recipe: absolute, else relative to the recipe's directory, else the repo."""
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return p
+        if self.source:
+            cand = Path(self.source).parent / p
+            if cand.exists():
+                return cand
+        return REPO_ROOT / p
+
+    @property
+    def run_dir(self) -> Path:
+        out = Path(self.output_dir)
+        return (out if out.is_absolute() else Path.cwd() / out) / self.run_name
+
+
+class Config(Recipe):
     run_name: str = "run"
     seed: int = 42
     output_dir: str = "runs"
@@ -250,8 +274,6 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     reward_servers: ServersConfig | None = None  # judge servers the run starts and stops itself
-    # Where the recipe came from; paths inside it resolve against this directory.
-    source: str | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
@@ -271,22 +293,6 @@ class Config(Section):
         # The reference bound train.timesteps to noise_steps before editing configs changed them
         # (REFERENCE.md §12.3); here the default is read at use time.
         return sorted(set(self.train.timesteps)) if self.train.timesteps is not None else list(self.sample.noise_steps)
-
-    def resolve_path(self, path: str) -> Path:
-        """A path from the recipe: absolute, else relative to the recipe's directory, else the repo."""
-        p = Path(path).expanduser()
-        if p.is_absolute():
-            return p
-        if self.source:
-            cand = Path(self.source).parent / p
-            if cand.exists():
-                return cand
-        return REPO_ROOT / p
-
-    @property
-    def run_dir(self) -> Path:
-        out = Path(self.output_dir)
-        return (out if out.is_absolute() else Path.cwd() / out) / self.run_name
 
 
 # --------------------------------------------------------------------------------------------

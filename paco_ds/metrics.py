@@ -37,11 +37,12 @@ class MetricsLogger:
             else:
                 self.wandb = wb.init(project=project, name=run_name, config=config, resume="allow" if resume else None)
 
-    def truncate_after(self, epoch: int) -> None:
-        """On resume, drop lines of epochs >= `epoch` (they will be run again)."""
+    def truncate_after(self, epoch: int, key: str = "epoch") -> None:
+        """On resume, drop lines whose `key` (the epoch, or e.g. the optimizer step) is >= `epoch`:
+        they will be run again."""
         if not (self.enabled and self.path.is_file()):
             return
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get("epoch", -1) < epoch]
+        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get(key, -1) < epoch]
         self.path.write_text("".join(l + "\n" for l in keep))
 
     def log(self, metrics: dict, step: int) -> None:

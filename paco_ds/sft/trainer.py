@@ -1,0 +1,324 @@
+"""PaCo-Reward SFT on a DeepSpeed engine (ZeRO-3 by default, ZeRO-2 selectable).
+
+Top to bottom: check the data (before any model is built, so a data mistake costs seconds), load
+Qwen2.5-VL partitioned, add the LoRA, wrap model + fused loss (paco_ds/sft/model.py) in the
+engine with torch AdamW and a warm-up + cosine schedule, then per epoch:
+
+  train   micro-batches in a seeded order keyed by the epoch (paco_ds/sft/data.py train_batches);
+          DeepSpeed accumulates `gradient_accumulation_steps` micro-batches per optimizer step
+          (a short last group closes the epoch, as the HF Trainer does), clips and steps;
+          each micro-batch loss is normalised by its own supervised tokens (REFERENCE.md §9.3).
+  eval    loss, token accuracy and first-token (Yes/No) accuracy on the eval records, each
+          counted once however the ranks split them.
+  save    an atomic checkpoint (engine, trainer state, RNG, the exported adapter), also every
+          `checkpoint.every_steps` optimizer steps, so a resumed run repeats the same steps.
+
+Every optimizer step writes a line to metrics.jsonl (and TensorBoard); at the end the adapter is
+exported to <run>/adapter. `launch/sft.py export` turns an adapter into a merged model directory.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from paco_ds.checkpoint import CheckpointManager
+from paco_ds.config import config_to_yaml
+from paco_ds.distributed import DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed
+from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
+from paco_ds.errors import DataError, UserError
+from paco_ds.metrics import MetricsLogger
+from paco_ds.sft import data as sft_data
+from paco_ds.sft.config import SFTConfig
+from paco_ds.sft.loss import first_token_weights, sequence_stats
+from paco_ds.sft.model import (RewardSFTModel, add_lora, base_path, enable_gradient_checkpointing, load_model,
+                               load_processor, model_dtype, write_tiny_base, zero3_loading)
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(UserError):
+    """The loss stopped being finite."""
+
+    exit_code = 3
+
+
+def data_files(cfg: SFTConfig, is_main: bool) -> tuple[list[Path], list[Path]]:
+    """The train and eval files: the configured ones, or the synthetic set drawn into <run>/data."""
+    if cfg.data.synthetic is None:
+        return [cfg.resolve_path(f) for f in cfg.data.train_files], [cfg.resolve_path(f) for f in cfg.data.eval_files]
+    out = cfg.run_dir / "data"
+    s = cfg.data.synthetic
+    if is_main:
+        sft_data.write_synthetic_dataset(out, s.num_train, s.num_eval, s.image_size, s.seed)
+    barrier()
+    return [out / "train.json"], [out / "eval.json"]
+
+
+def load_datasets(cfg: SFTConfig, processor, rank: int = 0, world_size: int = 1):
+    """(encoder, train set, eval set or None), every record checked; the cutoff check is shared
+    out over the ranks and the first failure (by file order) is raised on all of them."""
+    train_files, eval_files = data_files(cfg, rank == 0)
+    image_dir = cfg.resolve_path(cfg.data.image_dir) if cfg.data.image_dir else None
+    encoder = sft_data.Encoder(processor, cfg.data.cutoff_len, cfg.model.image_min_pixels, cfg.model.image_max_pixels)
+    sets = []
+    for files, key in ((train_files, "data.train_files"), (eval_files, "data.eval_files")):
+        if not files:
+            sets.append(None)
+            continue
+        records = sft_data.load_records(files, key, image_dir, cfg.data.max_samples)
+        sets.append(sft_data.SFTDataset(records, encoder))
+    errors = [ds.first_error(range(rank, len(ds), world_size)) for ds in sets if ds is not None]
+    for gathered in zip(*all_gather_object(errors)):
+        found = [e for e in gathered if e is not None]
+        if found:
+            raise DataError(min(found)[1])
+    return encoder, sets[0], sets[1]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _due(count: int, every: int) -> bool:
+    return every > 0 and count % every == 0
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.run_dir = cfg.run_dir
+        _seed_everything(cfg.seed)  # identical on every rank: the LoRA init must agree
+        base = base_path(cfg)
+        if cfg.model.tiny:
+            if dist.is_main:
+                write_tiny_base(base, cfg.seed)
+            barrier()
+        self.processor = load_processor(base, cfg)
+        self.encoder, self.train_set, self.eval_set = load_datasets(cfg, self.processor, dist.rank, dist.world_size)
+        self.collate = sft_data.Collator(self.encoder.pad_id, self.encoder.image_pad)
+
+        t = cfg.train
+        self.micro_per_epoch = len(sft_data.train_batches(len(self.train_set), dist.world_size, dist.rank,
+                                                          t.batch_size, cfg.seed, 0))
+        self.steps_per_epoch = math.ceil(self.micro_per_epoch / t.gradient_accumulation_steps)
+        self.total_steps = self.steps_per_epoch * t.num_epochs
+        self.dtype = model_dtype(cfg.model.dtype, dist.device)
+        self.ds_config = build_ds_config(
+            load_ds_config(cfg.resolve_path(cfg.deepspeed.config)), micro_batch=t.batch_size,
+            grad_accum=t.gradient_accumulation_steps, world_size=dist.world_size, grad_clip=t.max_grad_norm,
+            bf16=self.dtype == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage, overrides=cfg.deepspeed.overrides)
+        self.zero3 = zero_stage(self.ds_config) == 3
+
+        self._zero3_loading = zero3_loading(self.ds_config) if self.zero3 else None  # alive with the model
+        model = load_model(base, cfg, self.dtype)
+        self.peft = add_lora(model, cfg)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(self.peft)
+        self.module = RewardSFTModel(self.peft, t.first_token_weight, t.first_token_weight_mode,
+                                     t.loss_chunk_size or None, cfg.kernels.backend)
+        self.trainable = [(n, p) for n, p in self.peft.named_parameters() if p.requires_grad]
+        self.engine = create_engine(self.module, [p for _, p in self.trainable], self.ds_config, lr=t.learning_rate,
+                                    betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                                    weight_decay=t.weight_decay, lr_scheduler=self._scheduler)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.is_main)
+        self.logger: MetricsLogger | None = None
+        self.epoch = 0  # completed epochs
+        self.step_in_epoch = 0  # optimizer steps done in the current epoch
+        self.global_step = 0
+        self.epoch_losses: list[float] = []
+
+    def _scheduler(self, optimizer):
+        from transformers import get_scheduler
+
+        t = self.cfg.train
+        name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[t.lr_scheduler]
+        return get_scheduler(name, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * self.total_steps),
+                             num_training_steps=self.total_steps)
+
+    # ------------------------------------------------------------------------------------ loop
+    def fit(self, resume: str | None = None) -> None:
+        cfg = self.cfg
+        if resume:
+            self.load(self.ckpt.resolve(resume))
+        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
+                                    cfg.logging.project, cfg.run_name, cfg.model_dump(mode="json"), resume=bool(resume))
+        if resume:
+            self.logger.truncate_after(self.global_step + 1, key="step")
+        if self.dist.is_main:
+            (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+            rows = partition_report(self.module)
+            held = sum(r["local"] for r in rows) / sum(r["full"] for r in rows)
+            trainable = sum(r["full"] for r in rows if r["trainable"])
+            print(f"run directory: {self.run_dir} | {len(self.train_set)} train records, "
+                  f"{len(self.eval_set) if self.eval_set else 0} eval | {self.steps_per_epoch} optimizer steps per "
+                  f"epoch x {cfg.train.num_epochs} | world size {self.dist.world_size}, "
+                  f"ZeRO-{zero_stage(self.ds_config)}: rank 0 holds {held:.1%} of the parameters; "
+                  f"{trainable:,} trainable (LoRA)", flush=True)
+        if cfg.eval.at_start and self.global_step == 0 and self.eval_set is not None:
+            self._log_eval(self.evaluate())
+        saving = cfg.checkpoint.every_epochs > 0 or cfg.checkpoint.every_steps > 0
+        while self.epoch < cfg.train.num_epochs:
+            self.train_epoch()
+            self.epoch += 1
+            self.step_in_epoch = 0
+            metrics = {"train/epoch_loss": float(np.mean(self.epoch_losses))}
+            self.epoch_losses = []
+            if self.eval_set is not None and _due(self.epoch, cfg.eval.every_epochs):
+                metrics |= self.evaluate()
+            self._log_eval(metrics)
+            last = self.epoch == cfg.train.num_epochs
+            if saving and (last or _due(self.epoch, cfg.checkpoint.every_epochs)
+                           or _due(self.global_step, cfg.checkpoint.every_steps)):
+                self.save()
+        self.export_adapter(self.run_dir / "adapter")
+
+    def train_epoch(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        ga = t.gradient_accumulation_steps
+        batches = sft_data.train_batches(len(self.train_set), self.dist.world_size, self.dist.rank, t.batch_size,
+                                         cfg.seed, self.epoch)
+        start = self.step_in_epoch * ga
+        loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=batches[start:], collate_fn=self.collate,
+                                             num_workers=cfg.data.num_workers)
+        bar = tqdm(total=len(batches), initial=start, desc=f"epoch {self.epoch + 1}/{t.num_epochs}",
+                   disable=not self.dist.is_main, leave=False, dynamic_ncols=True)
+        self.engine.train()
+        group: list[dict] = []
+        t0 = time.perf_counter()
+        for m, batch in enumerate(loader, start=start):
+            group_start = m - m % ga
+            group_len = min(ga, len(batches) - group_start)
+            boundary = m + 1 == group_start + group_len
+            lr = float(self.engine.get_lr()[0])  # the rate this group's optimizer step applies
+            out = self.engine(**batch.model_inputs(self.dist.device))
+            self.engine.set_gradient_accumulation_boundary(boundary)
+            self.engine.backward(out.loss / group_len, scale_wrt_gas=False)
+            self.engine.step()
+            stats = sequence_stats(out.shifted, out.predictions, out.token_loss)
+            group.append({"loss": float(out.loss.detach()), "token_acc": stats["token_acc"].mean().item(),
+                          "first_token_acc": stats["first_correct"].mean().item(),
+                          "first_token_loss": stats["first_loss"].mean().item()})
+            bar.update(1)
+            if not boundary:
+                continue
+            self.global_step += 1
+            self.step_in_epoch += 1
+            metrics = all_reduce_mean({f"train/{k}": float(np.mean([g[k] for g in group])) for k in group[0]})
+            group = []
+            if not math.isfinite(metrics["train/loss"]):
+                raise TrainingDiverged(f"non-finite loss at optimizer step {self.global_step} (epoch {self.epoch + 1})")
+            norm = self.engine.get_global_grad_norm()
+            metrics |= {"step": self.global_step, "epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch,
+                        "train/lr": lr, "train/grad_norm": float(norm) if norm is not None else float("nan"),
+                        "time/step": time.perf_counter() - t0}
+            t0 = time.perf_counter()
+            self.epoch_losses.append(metrics["train/loss"])
+            self.logger.log(metrics, step=self.global_step)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", first_acc=f"{metrics['train/first_token_acc']:.2f}")
+            if self.dist.is_main and _due(self.global_step, t.log_every):
+                tqdm.write(f"step {self.global_step}/{self.total_steps} | epoch {metrics['epoch']:.2f} | "
+                           f"loss {metrics['train/loss']:.4f} | first-token acc {metrics['train/first_token_acc']:.3f}"
+                           f" | lr {lr:.3g}")
+            if self.step_in_epoch < self.steps_per_epoch and _due(self.global_step, cfg.checkpoint.every_steps):
+                self.save()
+        bar.close()
+
+    # ------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss (the training formula over the whole eval set as one batch), token accuracy and
+        first-token accuracy (averaged over records, as the reference's ComputeAccuracy)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batches = sft_data.eval_batches(len(self.eval_set), self.dist.world_size, self.dist.rank, cfg.eval.batch_size)
+        loader = torch.utils.data.DataLoader(self.eval_set, batch_sampler=[idx for idx, _ in batches],
+                                             collate_fn=self.collate, num_workers=cfg.data.num_workers)
+        self.engine.eval()
+        rows = []
+        for batch, (_, counted) in zip(tqdm(loader, desc="eval", disable=not self.dist.is_main, leave=False), batches):
+            out = self.engine(**batch.model_inputs(self.dist.device))
+            w = first_token_weights(out.shifted, cfg.train.first_token_weight, cfg.train.first_token_weight_mode)
+            weighted = (w * out.token_loss).sum(dim=1)
+            stats = sequence_stats(out.shifted, out.predictions, out.token_loss)
+            keys = ("n_tokens", "token_acc", "first_correct", "first_loss")
+            for j, (index, keep) in enumerate(zip(batch.indices, counted)):
+                if keep:
+                    rows.append((index, weighted[j].item(), *(stats[k][j].item() for k in keys)))
+        self.engine.train()
+        table = np.array(sorted(r for rs in all_gather_object(rows) for r in rs), dtype=np.float64)
+        return {"eval/loss": table[:, 1].sum() / table[:, 2].sum(), "eval/token_acc": table[:, 3].mean(),
+                "eval/first_token_acc": table[:, 4].mean(), "eval/first_token_loss": table[:, 5].mean(),
+                "eval/records": float(len(table)), "time/eval": time.perf_counter() - t0}
+
+    def _log_eval(self, metrics: dict) -> None:
+        metrics = {"step": self.global_step, "epoch": float(self.epoch), **metrics}
+        self.logger.log(metrics, step=self.global_step)
+        if self.dist.is_main and "eval/loss" in metrics:
+            tqdm.write(f"eval after epoch {self.epoch} | loss {metrics['eval/loss']:.4f} | token acc "
+                       f"{metrics['eval/token_acc']:.3f} | first-token acc {metrics['eval/first_token_acc']:.3f}")
+
+    # ------------------------------------------------------------------------------------ state
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA weights (gathered under ZeRO-3; collective), on rank 0."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        with GatheredParameters([p for _, p in self.trainable], enabled=self.zero3):
+            return {n: p.detach().cpu().clone() for n, p in self.trainable} if self.dist.is_main else None
+
+    def export_adapter(self, out_dir: Path) -> None:
+        from paco_ds.sft.export import save_adapter
+
+        state = self.adapter_state()
+        if self.dist.is_main:
+            save_adapter(self.peft, state, out_dir, self.processor)
+            print(f"adapter: {out_dir}", flush=True)
+        barrier()
+
+    def save(self) -> Path:
+        from paco_ds.sft.export import save_adapter
+
+        state = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+                 "epoch_losses": list(self.epoch_losses)}
+        meta = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+                "world_size": self.dist.world_size, "run_name": self.cfg.run_name}
+        adapter = self.adapter_state()
+        path = self.ckpt.save(self.engine, f"step_{self.global_step:07d}", state, meta,
+                              write_extra=lambda d: save_adapter(self.peft, adapter, d / "adapter", self.processor))
+        if self.dist.is_main:
+            log.info("checkpoint: %s", path)
+        return path
+
+    def load(self, path: Path) -> None:
+        state, meta = self.ckpt.load(self.engine, path)
+        if meta.get("world_size") != self.dist.world_size:
+            raise UserError(f"--resume {path}: written with world size {meta.get('world_size')}, "
+                            f"this run has {self.dist.world_size}")
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step, self.epoch_losses = state["global_step"], state["epoch_losses"]
+        if self.dist.is_main:
+            print(f"resumed from {path} at optimizer step {self.global_step} (epoch {self.epoch + 1}, "
+                  f"step {self.step_in_epoch} of {self.steps_per_epoch})", flush=True)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+
+def run(cfg: SFTConfig, resume: str | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist = setup_distributed()
+    logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    trainer = SFTTrainer(cfg, dist)
+    try:
+        trainer.fit(resume)
+    finally:
+        trainer.close()

@@ -1,0 +1,120 @@
+"""The tiny reward SFT end to end: 2 ZeRO-3 processes on CPU, exact resume, export, ZeRO-2.
+
+One full run (6 epochs, 36 optimizer steps, a mid-epoch checkpoint at step 9) is shared by the
+tests of this module; the resumed run restarts from that checkpoint in another directory.
+"""
+import json
+import socket
+
+import pytest
+
+from conftest import REPO, run_cli
+
+TINY = str(REPO / "configs" / "tiny" / "reward_sft.yaml")
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_sft(out_dir, *sets, resume=None, timeout=300):
+    args = ["-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()), "launch/sft.py",
+            "--config", TINY, "--set", f"output_dir={out_dir}"]
+    for s in sets:
+        args += ["--set", s]
+    if resume:
+        args += ["--resume", str(resume)]
+    out = run_cli(*args, timeout=timeout, env=ENV)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft_full")
+    log = deepspeed_sft(out, "checkpoint.every_steps=9", "checkpoint.keep_last=20")
+    return out / "tiny_reward_sft", log.stdout
+
+
+def test_tiny_run_lowers_the_loss_and_reports_first_token_accuracy(full_run):
+    run, stdout = full_run
+    rows = metrics(run)
+    evals = [r for r in rows if "eval/loss" in r]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["epoch"] for r in evals] == [0, 1, 2, 3, 4, 5, 6] and [r["step"] for r in steps] == list(range(1, 37))
+    assert evals[-1]["eval/loss"] < 0.7 * evals[0]["eval/loss"]
+    assert evals[-1]["eval/token_acc"] > evals[0]["eval/token_acc"] + 0.2
+    assert all(0 <= r["eval/first_token_acc"] <= 1 and r["eval/records"] == 16 for r in evals)
+    assert all(0 <= r["train/first_token_acc"] <= 1 for r in steps)
+    first, last = (sum(r["train/loss"] for r in steps[k:k + 6]) / 6 for k in (0, 30))
+    assert last < 0.7 * first
+    # warm-up then cosine: 10% of 36 steps -> 4 warm-up steps, the first at lr 0
+    lrs = [r["train/lr"] for r in steps]
+    assert lrs[0] == 0 and max(lrs) == pytest.approx(1e-2) and lrs[-1] < 1e-3
+    assert "first-token acc" in stdout and "eval after epoch 6" in stdout
+    assert "ZeRO-3: rank 0 holds 50.0% of the parameters" in stdout  # partitioned from load (zero.Init)
+    for ckpt in ("step_0000009", "step_0000036"):
+        assert (run / "checkpoints" / ckpt / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000036"
+    assert (run / "adapter" / "adapter_config.json").is_file() and list((run / "tb").iterdir())
+
+
+def test_resume_continues_exactly(full_run, tmp_path):
+    run, _ = full_run
+    out = deepspeed_sft(tmp_path, resume=run / "checkpoints" / "step_0000009")
+    assert "resumed from" in out.stdout and "at optimizer step 9 (epoch 2, step 3 of 6)" in out.stdout
+
+    def by_step(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if r["step"] > 9]
+
+    resumed = by_step(metrics(tmp_path / "tiny_reward_sft"))
+    assert len(resumed) == 27 + 5  # steps 10..36 and the evaluations after epochs 2..6
+    assert resumed == by_step(metrics(run))  # the same losses, gradient norms, learning rates, evaluations
+
+
+def test_export_merges_the_adapter_into_a_model_that_scores_a_pair(full_run, tmp_path):
+    from PIL import Image
+    from peft import PeftModel
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from paco_ds.sft.export import p_yes
+
+    run, _ = full_run
+    out = run_cli("launch/sft.py", "export", "--config", TINY, "--set", f"output_dir={run.parent}",
+                  "--checkpoint", str(run / "checkpoints" / "step_0000036"), "--out", str(tmp_path / "merged"),
+                  timeout=180, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"merged model: {tmp_path / 'merged'}" in out.stdout
+
+    merged = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    assert processor.image_processor.size["longest_edge"] == 3136  # the training image limit travels along
+    record = json.loads((run / "data" / "eval.json").read_text())[1]
+    images = [Image.open(run / "data" / p).convert("RGB") for p in record["images"]]
+    question = record["messages"][0]["content"].replace("<image>", "")
+    score = p_yes(merged, processor, images, question)
+    assert 0 < score < 1
+
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "tiny_base").eval()
+    untrained = p_yes(base, processor, images, question)
+    in_process = PeftModel.from_pretrained(base, run / "checkpoints" / "step_0000036" / "adapter").eval()
+    assert p_yes(in_process, processor, images, question) == pytest.approx(score, abs=1e-5)
+    assert p_yes(in_process.merge_and_unload(), processor, images, question) == pytest.approx(score, abs=1e-6)
+    assert abs(score - untrained) > 1e-3  # the adapter changed the reward
+
+
+def test_zero2_runs_too(tmp_path):
+    deepspeed_sft(tmp_path, "deepspeed.zero_stage=2", "train.num_epochs=1", "eval.at_start=true",
+                  "checkpoint.every_epochs=0")
+    rows = metrics(tmp_path / "tiny_reward_sft")
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]
+    assert not (tmp_path / "tiny_reward_sft" / "checkpoints").exists()
+    assert (tmp_path / "tiny_reward_sft" / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,0 +1,20 @@
+"""`python benchmarks/weighted_ce.py --quick` runs and writes its JSON (a smoke run at small sizes)."""
+import json
+
+from conftest import run_cli
+
+
+def test_quick_run_writes_json(tmp_path):
+    out = run_cli("benchmarks/weighted_ce.py", "--quick", "--out", str(tmp_path), timeout=120,
+                  env={"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "weighted_ce_cpu.json").read_text())
+    assert report["command"] == f"python benchmarks/weighted_ce.py --quick --out {tmp_path}"
+    assert report["config"]["vocab"] == 16384 and report["machine"]["cores"] and report["method"]
+    rows = {r["variant"]: r for r in report["results"]}
+    assert set(rows) == {"naive", "fused"}
+    assert all(r["median_s"] > 0 and r["peak_bytes"] > 0 for r in rows.values())
+    # the naive path holds at least its fp32 logits; the fused one computes the same loss and gradient
+    assert rows["naive"]["peak_bytes"] >= report["analytic_bytes"]["naive_logits_fp32"]
+    assert report["agreement"]["grad_rel_diff"] < 1e-5 and report["agreement"]["loss_abs_diff"] < 1e-5
+    assert len(report["ratios"]["time_by_round"]) == 2 and "fused / naive: memory" in out.stdout
