@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo sft-demo test bench clean
 
 setup: $(STAMP)
 
@@ -29,10 +29,13 @@ demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29511 launch/train.py --config configs/tiny/t2is.yaml
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+sft-demo: setup
+	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29512 launch/sft.py --config configs/tiny/reward_sft.yaml
 
 bench: setup
-	$(PY) -m kernels.bench
+	OMP_NUM_THREADS=1 $(PY) -m kernels.bench
 
 clean:
 	rm -rf runs build *.egg-info

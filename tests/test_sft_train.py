@@ -109,6 +109,31 @@ def test_export_merges_the_adapter_into_a_model_that_scores_a_pair(full_run, tmp
     assert p_yes(in_process.merge_and_unload(), processor, images, question) == pytest.approx(score, abs=1e-6)
     assert abs(score - untrained) > 1e-3  # the adapter changed the reward
 
+    # The merged directory is what the reward server serves: its P(Yes) over HTTP is the same.
+    import math
+
+    import httpx
+
+    from paco_ds.rewards.consistency import data_uri
+    from paco_ds.serving import manager
+    from paco_ds.serving.config import ServersConfig
+
+    cfg = ServersConfig(engine="hf", models=[{"name": "paco-reward-sft", "path": str(tmp_path / "merged")}],
+                        port=0, max_logprobs=512, startup_timeout=120)
+    state = manager.start(cfg, tmp_path / "server", exit_with_parent=True)
+    try:
+        content = [*({"type": "image_url", "image_url": {"url": data_uri(im)}} for im in images),
+                   {"type": "text", "text": question}]
+        r = httpx.post(f"{state['endpoints']['paco-reward-sft']}/chat/completions", timeout=60, json={
+            "model": "paco-reward-sft", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 1, "logprobs": True, "top_logprobs": 512})
+    finally:
+        manager.stop(tmp_path / "server")
+    assert r.status_code == 200, r.text
+    top = {t["token"]: t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
+    served = 1 / (1 + math.exp(top["No"] - top["Yes"]))
+    assert served == pytest.approx(score, abs=1e-5)
+
 
 def test_zero2_runs_too(tmp_path):
     deepspeed_sft(tmp_path, "deepspeed.zero_stage=2", "train.num_epochs=1", "eval.at_start=true",

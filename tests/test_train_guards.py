@@ -63,9 +63,14 @@ def test_kl_needs_a_second_forward_only_when_beta_is_positive(tmp_path):
     assert row["train/ratio_first"] == 1.0
 
 
+# cpp vs torch: their log-probs and sampled latents differ by about one float ulp, which can flip a
+# uint8 pixel and with it a byte of a JPEG (0.002 bits per pixel on a 64x64 image): the runs agree
+# within these bounds, not bit for bit.
+BACKEND_TOLERANCE = {"reward/jpeg_compressibility": 5e-3, "reward/combined": 5e-3, "reward/subfig_clipT": 1e-5,
+                     "eval/": 5e-3, "adv/": 2e-2, "train/ratio": 1e-5, "train/grad_norm": 2e-4, "train/": 2e-5}
+
+
 def test_cpp_and_torch_kernel_backends_train_alike(tmp_path):
-    """kernels.backend cpp (csrc/) and torch (reference) give the same run: identical rewards and
-    eval, and losses/ratios/gradient norms within 1e-3 relative (their log-probs differ ~1e-7)."""
     runs = {}
     for backend in ("cpp", "torch"):
         proc = _train(tmp_path / backend, *ONE_EPOCH, "train.num_epochs=2", "test.eval_freq=2",
@@ -78,7 +83,5 @@ def test_cpp_and_torch_kernel_backends_train_alike(tmp_path):
         for k, v in a.items():
             if k.startswith(("time/", "images_per_sec")):
                 continue
-            if k.startswith(("reward/", "eval/", "adv/")):
-                assert v == b[k], k
-            else:
-                assert v == pytest.approx(b[k], rel=1e-3, abs=1e-8), k
+            tol = next((t for prefix, t in BACKEND_TOLERANCE.items() if k.startswith(prefix)), 0.0)
+            assert abs(v - b[k]) <= tol, (a["epoch"], k, v, b[k])
