@@ -130,7 +130,6 @@ class TrainConfig(Section):
     clip_range: float = Field(1e-4, gt=0)
     beta: float = Field(0.0, ge=0)  # KL weight; the reference forward runs only when > 0
     timesteps: list[int] | None = None  # trained step indices; default: sample.noise_steps
-    param_noise_std: float = Field(0.0, ge=0)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
 

@@ -116,3 +116,20 @@ def test_tiny_t2is_batch_gives_images_panels_rewards_and_advantages(tiny_policy,
     for g in (0, 1):  # centred within each group
         assert abs(out.advantages[groups == g].sum()) < 1e-9
     assert np.abs(out.advantages).max() > 0
+
+
+def test_lora_path_starts_training_from_an_exported_adapter(tiny_policy, tiny_cfg, tmp_path):
+    from paco_ds.models.flux import FluxPolicy
+    from paco_ds.models.lora import add_lora
+
+    export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_metadata(tiny_policy.transformer))
+    fresh = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
+    add_lora(fresh.transformer, tiny_cfg.model.lora.model_copy(update={"path": str(tmp_path)}))
+    trainable = [n for n, p in fresh.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    emb = tiny_policy.encode_prompts(["a fox"])
+    x = tiny_policy.initial_latents(1, 64, 64, [make_generator(3)])
+    with torch.no_grad():
+        want = tiny_policy.velocity(tiny_policy.transformer, x, 0.7, emb, 64, 64, 3.5)
+        got = fresh.velocity(fresh.transformer, x, 0.7, emb, 64, 64, 3.5)
+    assert torch.allclose(got, want, atol=1e-6)

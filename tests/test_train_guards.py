@@ -85,3 +85,13 @@ def test_cpp_and_torch_kernel_backends_train_alike(tmp_path):
                 continue
             tol = next((t for prefix, t in BACKEND_TOLERANCE.items() if k.startswith(prefix)), 0.0)
             assert abs(v - b[k]) <= tol, (a["epoch"], k, v, b[k])
+
+
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path):
+    runs = {}
+    for name, on in (("plain", "false"), ("checkpointed", "true")):
+        proc = _train(tmp_path / name, *ONE_EPOCH, f"model.gradient_checkpointing={on}")
+        assert proc.returncode == 0, tail(proc)
+        runs[name] = metrics(tmp_path / name)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "images_per_sec"))} for r in rows]  # noqa: E731
+    assert strip(runs["checkpointed"]) == strip(runs["plain"])

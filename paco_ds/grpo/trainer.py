@@ -84,8 +84,11 @@ class GRPOTrainer:
         self.plan = derive(cfg, dist.world_size, dataset_size=len(self.train_items))
 
         # Policy: frozen encoders/VAE per rank; the transformer (with LoRA) goes into the engine.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
         self.policy = build_policy(cfg, dist.device)
         add_lora(self.policy.transformer, cfg.model.lora)
+        if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
+            self.policy.transformer.enable_gradient_checkpointing()
         self.ds_config = build_ds_config(
             load_ds_config(cfg.resolve_path(cfg.deepspeed.config)), micro_batch=cfg.train.batch_size,
             grad_accum=self.plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,

@@ -21,8 +21,11 @@ def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
 
     transformer.requires_grad_(False)
-    if cfg.path:
-        transformer.load_lora_adapter(cfg.path, adapter_name=ADAPTER, prefix="transformer")
+    if cfg.path:  # a directory with pytorch_lora_weights.safetensors, or the file itself
+        path = Path(cfg.path)
+        where = {"weight_name": path.name} if path.is_file() else {"use_safetensors": True}
+        transformer.load_lora_adapter(str(path.parent if path.is_file() else path), adapter_name=ADAPTER,
+                                      prefix="transformer", **where)
         for name, p in transformer.named_parameters():
             if "lora_" in name:
                 p.requires_grad_(True)
