@@ -39,8 +39,9 @@ def set_rng_state(state: dict) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, keep_last: int, rank: int, is_main: bool):
-        self.root, self.keep_last, self.rank, self.is_main = Path(root), keep_last, rank, is_main
+    def __init__(self, root: Path, keep_last: int, rank: int, world_size: int):
+        self.root, self.keep_last, self.rank, self.world_size = Path(root), keep_last, rank, world_size
+        self.is_main = rank == 0
 
     def complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -51,7 +52,9 @@ class CheckpointManager:
     def save(self, engine, tag: str, state: dict, meta: dict, write_extra=None) -> Path:
         """Collective: every rank calls it. `state` is this rank's state, `meta` rank 0's summary.
         `write_extra(staging_dir)`, when given, writes more files on rank 0 before the checkpoint is
-        published (e.g. an exported adapter), so they are part of the atomic checkpoint."""
+        published (e.g. an exported adapter), so they are part of the atomic checkpoint. The world
+        size is recorded: ZeRO partitions and per-rank states only load into the same one."""
+        meta = {**meta, "world_size": self.world_size}
         staging = self.root / f".staging-{tag}"
         if self.is_main:
             for old in self.root.glob(".staging-*"):
@@ -93,6 +96,10 @@ class CheckpointManager:
 
     def load(self, engine, path: Path) -> tuple[dict, dict]:
         """Restore the engine; returns (this rank's state, meta). RNG states are restored too."""
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("world_size", self.world_size) != self.world_size:
+            raise UserError(f"--resume {path}: written with world size {meta['world_size']}, "
+                            f"this run has {self.world_size}")
         if engine is not None:
             load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=False)
             if load_path is None:
@@ -102,4 +109,4 @@ class CheckpointManager:
             raise UserError(f"--resume: {state_file} missing (was the checkpoint written with another world size?)")
         state = torch.load(state_file, map_location="cpu", weights_only=False)
         set_rng_state(state.pop("rng"))
-        return state, json.loads((path / "meta.json").read_text())
+        return state, meta

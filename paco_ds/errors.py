@@ -25,6 +25,12 @@ class DataError(UserError):
     pass
 
 
+class TrainingDiverged(UserError):
+    """The run stopped itself: too many non-finite losses or rewards in a row."""
+
+    exit_code = 3
+
+
 class RewardError(UserError):
     """A reward could not be computed (server down, model not served, bad response)."""
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,25 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+# Triton on CPU needs TRITON_INTERPRET=1 before `import triton`, and earlier tests may import it
+# (deepspeed does): a kernel test module re-runs itself in a subprocess with the variable set.
+TRITON_DEVICE = "cuda" if __import__("torch").cuda.is_available() else "cpu"
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+triton_kernel_test = pytest.mark.skipif(TRITON_DEVICE == "cpu" and not TRITON_INTERPRETED,
+                                        reason="runs in the TRITON_INTERPRET=1 subprocess of test_in_the_interpreter")
+in_parent_on_cpu = pytest.mark.skipif(TRITON_DEVICE != "cpu" or TRITON_INTERPRETED,
+                                      reason="the kernels run in this process")
+
+
+def run_in_triton_interpreter(test_file: str, min_passed: int) -> None:
+    """Run `test_file` under TRITON_INTERPRET=1 and check that its kernel tests ran and passed."""
+    out = run_cli("-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, timeout=600,
+                  env={"TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", out.stdout.strip().splitlines()[-1])
+    assert passed and int(passed.group(1)) >= min_passed, out.stdout[-2000:]  # every kernel test ran
 
 
 @pytest.fixture(scope="session")

@@ -6,34 +6,26 @@ itself in a subprocess that starts with TRITON_INTERPRET=1 (`test_in_the_interpr
 kernel tests run; in the parent process they are skipped. On a CUDA machine they run here,
 compiled.
 """
-import os
-import re
 
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import TRITON_DEVICE, in_parent_on_cpu, run_in_triton_interpreter, triton_kernel_test
 from kernel_checks import (check_advantages, check_kl, check_ppo, check_rollout_equals_training, check_sampling,
                            check_scoring)
 
 pytest.importorskip("triton")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-kernel_test = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED,
-                                 reason="runs in the TRITON_INTERPRET=1 subprocess of test_in_the_interpreter")
+DEVICE = TRITON_DEVICE
+kernel_test = triton_kernel_test
 # 37 x 61 is below one block of 1024; 65 x 70 spans 3 chunks of 2048 with a ragged tail.
 SHAPES = [(3, 37, 61), (2, 65, 70)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="the kernels run in this process")
+@in_parent_on_cpu
 def test_in_the_interpreter():
-    out = run_cli("-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, timeout=600,
-                  env={"TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", out.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) >= 28, out.stdout[-2000:]  # every kernel test ran
+    run_in_triton_interpreter(__file__, min_passed=28)
 
 
 @kernel_test

@@ -106,7 +106,7 @@ def test_bad_files(tmp_path):
     with pytest.raises(DataError, match="data.train_files: data file not found"):
         load_records([tmp_path / "none.json"], "data.train_files")
     (tmp_path / "x.jsonl").write_text('{"messages": []}\n{oops\n')
-    with pytest.raises(DataError, match=r"x.jsonl:2: invalid JSON"):
+    with pytest.raises(DataError, match=r"x.jsonl:2: malformed JSON"):
         load_records([tmp_path / "x.jsonl"], "k")
 
 

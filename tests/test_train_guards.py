@@ -3,7 +3,6 @@ import math
 import subprocess
 import sys
 
-import pytest
 
 from distributed_runs import REPO, TINY, cpu_env, free_port, metrics, tail
 

@@ -3,30 +3,22 @@
 As in test_kernels_triton.py, TRITON_INTERPRET must be set before triton is imported, so on CPU this
 module reruns itself in a subprocess started with TRITON_INTERPRET=1, where the kernel tests run.
 """
-import os
-import re
 
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import TRITON_DEVICE, in_parent_on_cpu, run_in_triton_interpreter, triton_kernel_test
 from weighted_ce_checks import N_FIRST, check_against_float64
 
 pytest.importorskip("triton")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-kernel_test = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED,
-                                 reason="runs in the TRITON_INTERPRET=1 subprocess of test_in_the_interpreter")
+DEVICE = TRITON_DEVICE
+kernel_test = triton_kernel_test
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or INTERPRETED, reason="the kernels run in this process")
+@in_parent_on_cpu
 def test_in_the_interpreter():
-    out = run_cli("-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, timeout=600,
-                  env={"TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", out.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) >= 23, out.stdout[-2000:]  # every kernel test ran
+    run_in_triton_interpreter(__file__, min_passed=23)
 
 
 @kernel_test

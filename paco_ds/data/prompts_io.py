@@ -35,31 +35,39 @@ def _positive_int(value: Any, key: str, where: str) -> int | None:
     return int(value)
 
 
+def read_jsonl(path: str | Path) -> list[tuple[int, Any]]:
+    """(line number, parsed value) for each non-empty line; a malformed line is `file:line: ...`."""
+    path = Path(path)
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
+    return out
+
+
 def load_t2is_jsonl(path: str | Path) -> list[PromptItem]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
     items: list[PromptItem] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            prompt = rec.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise DataError(f"{where}: missing or empty 'prompt'")
-            crit = rec.get("criteria")
-            if crit is not None and not isinstance(crit, dict):
-                raise DataError(f"{where}: 'criteria' must be an object of dimensions")
-            items.append(PromptItem(prompt=prompt, metadata=rec,
-                                    height=_positive_int(rec.get("height"), "height", where),
-                                    width=_positive_int(rec.get("width"), "width", where)))
+    for lineno, rec in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        prompt = rec.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{where}: missing or empty 'prompt'")
+        crit = rec.get("criteria")
+        if crit is not None and not isinstance(crit, dict):
+            raise DataError(f"{where}: 'criteria' must be an object of dimensions")
+        items.append(PromptItem(prompt=prompt, metadata=rec,
+                                height=_positive_int(rec.get("height"), "height", where),
+                                width=_positive_int(rec.get("width"), "width", where)))
     if not items:
         raise DataError(f"{path}: no prompts")
     return items

@@ -34,7 +34,7 @@ from paco_ds.data import KRepeatSampler, PromptItem, load_prompts
 from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true, barrier,
                                  setup_distributed, shutdown_distributed)
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
-from paco_ds.errors import ConfigError, UserError
+from paco_ds.errors import ConfigError, TrainingDiverged
 from paco_ds.grpo.advantages import StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.metrics import MetricsLogger
@@ -49,11 +49,6 @@ log = logging.getLogger(__name__)
 
 _PINNED = -7  # a sentinel "active sub-module" id that keeps ZeRO-3 from releasing gathered params
 
-
-class TrainingDiverged(UserError):
-    """Too many non-finite losses or rewards in a row."""
-
-    exit_code = 3
 
 
 def build_policy(cfg: Config, device: torch.device) -> Policy:
@@ -114,7 +109,7 @@ class GRPOTrainer:
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights)
         # The fp32 transition mean is only needed for the KL term.
         self.sde = partial(kernels.sde_step, backend=cfg.kernels.backend, return_mean=cfg.train.beta > 0)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.is_main)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.logger: MetricsLogger | None = None
         self.epoch = 0
         self.global_step = 0
@@ -248,7 +243,8 @@ class GRPOTrainer:
             ok = valid & np.isfinite(s)
             metrics[f"reward/{name}/mean"] = float(s[ok].mean()) if ok.any() else float("nan")
             metrics[f"reward/{name}/std"] = float(s[ok].std()) if ok.any() else float("nan")
-        metrics["reward/combined/mean"] = float(np.nanmean(adv.combined)) if np.isfinite(adv.combined).any() else float("nan")
+        finite = np.isfinite(adv.combined)
+        metrics["reward/combined/mean"] = float(adv.combined[finite].mean()) if finite.any() else float("nan")
         metrics["reward/masked"] = float((~valid).sum())
         metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
         if self.dist.is_main and self.cfg.logging.num_train_images:
@@ -314,8 +310,9 @@ class GRPOTrainer:
         cfg = self.cfg
         step = transition_log_prob(self.policy, self.engine, batch, t, slice(None), guidance=cfg.sample.guidance_scale,
                                    noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, sde_fn=self.sde)
-        loss, st = kernels.ppo_clip_loss(step.log_prob, batch.log_prob[:, t].to(step.log_prob.device), adv.to(step.log_prob.device),
-                                         cfg.train.clip_range, cfg.advantage.clip, backend=cfg.kernels.backend)
+        dev = step.log_prob.device
+        loss, st = kernels.ppo_clip_loss(step.log_prob, batch.log_prob[:, t].to(dev), adv.to(dev), cfg.train.clip_range,
+                                         cfg.advantage.clip, backend=cfg.kernels.backend)
         kl = torch.zeros(())
         if cfg.train.beta > 0:
             with torch.no_grad(), self.policy.adapter_disabled(self.engine):
@@ -403,7 +400,7 @@ class GRPOTrainer:
                 "tracker": self.tracker.state_dict(), "ema": self.ema.state_dict() if self.ema else None}
 
     def save(self) -> Path:
-        meta = {"epoch": self.epoch, "global_step": self.global_step, "world_size": self.dist.world_size,
+        meta = {"epoch": self.epoch, "global_step": self.global_step,
                 "run_name": self.cfg.run_name}
         path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), meta)
         if self.dist.is_main:
@@ -412,9 +409,6 @@ class GRPOTrainer:
 
     def load(self, path: Path) -> None:
         state, meta = self.ckpt.load(self.engine, path)
-        if meta.get("world_size") != self.dist.world_size:
-            raise UserError(f"--resume {path}: written with world size {meta.get('world_size')}, "
-                            f"this run has {self.dist.world_size}")
         self.epoch, self.global_step = state["epoch"], state["global_step"]
         self.nonfinite_streak = state["nonfinite_streak"]
         self.tracker.load_state_dict(state["tracker"])

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from paco_ds.data.prompts_io import read_jsonl
 from paco_ds.errors import DataError
 
 IGNORE_INDEX = -100
@@ -52,21 +53,13 @@ class Record:
 def _read_json_records(path: Path, key: str) -> list:
     if not path.is_file():
         raise DataError(f"{key}: data file not found: {path}")
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        out = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{n}: invalid JSON ({err.msg})") from None
-        return out
+        return [rec for _, rec in read_jsonl(path)]
+    text = path.read_text(encoding="utf-8")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        raise DataError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of records (or a .jsonl file)")
     return data

@@ -32,7 +32,7 @@ from paco_ds.checkpoint import CheckpointManager
 from paco_ds.config import config_to_yaml
 from paco_ds.distributed import DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
-from paco_ds.errors import DataError, UserError
+from paco_ds.errors import DataError, TrainingDiverged
 from paco_ds.metrics import MetricsLogger
 from paco_ds.sft import data as sft_data
 from paco_ds.sft.config import SFTConfig
@@ -42,11 +42,6 @@ from paco_ds.sft.model import (RewardSFTModel, add_lora, base_path, enable_gradi
 
 log = logging.getLogger(__name__)
 
-
-class TrainingDiverged(UserError):
-    """The loss stopped being finite."""
-
-    exit_code = 3
 
 
 def data_files(cfg: SFTConfig, is_main: bool) -> tuple[list[Path], list[Path]]:
@@ -129,7 +124,7 @@ class SFTTrainer:
         self.engine = create_engine(self.module, [p for _, p in self.trainable], self.ds_config, lr=t.learning_rate,
                                     betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
                                     weight_decay=t.weight_decay, lr_scheduler=self._scheduler)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.is_main)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.logger: MetricsLogger | None = None
         self.epoch = 0  # completed epochs
         self.step_in_epoch = 0  # optimizer steps done in the current epoch
@@ -289,7 +284,7 @@ class SFTTrainer:
         state = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                  "epoch_losses": list(self.epoch_losses)}
         meta = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                "world_size": self.dist.world_size, "run_name": self.cfg.run_name}
+                "run_name": self.cfg.run_name}
         adapter = self.adapter_state()
         path = self.ckpt.save(self.engine, f"step_{self.global_step:07d}", state, meta,
                               write_extra=lambda d: save_adapter(self.peft, adapter, d / "adapter", self.processor))
@@ -299,9 +294,6 @@ class SFTTrainer:
 
     def load(self, path: Path) -> None:
         state, meta = self.ckpt.load(self.engine, path)
-        if meta.get("world_size") != self.dist.world_size:
-            raise UserError(f"--resume {path}: written with world size {meta.get('world_size')}, "
-                            f"this run has {self.dist.world_size}")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step, self.epoch_losses = state["global_step"], state["epoch_losses"]
         if self.dist.is_main:
