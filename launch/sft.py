@@ -7,27 +7,23 @@
 into the base model and writes a directory the reward server loads (default <run>/merged).
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paco_ds.config import add_recipe_arguments  # noqa: E402
 from paco_ds.errors import UserError, exit_on_user_error  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", nargs="?", choices=["train", "export"], default="train")
-    p.add_argument("--config", required=True, help="recipe YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable), e.g. --set train.learning_rate=1e-4")
+    add_recipe_arguments(p)
     p.add_argument("--resume", default=None, help="train: 'latest' or a checkpoint directory")
     p.add_argument("--checkpoint", default=None, help="export: 'latest' (default) or a checkpoint directory")
     p.add_argument("--adapter", default=None, help="export: a peft adapter directory (instead of a checkpoint)")
     p.add_argument("--out", default=None, help="export: output directory (default <run>/merged)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p.parse_args(argv)
 
 

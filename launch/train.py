@@ -6,21 +6,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paco_ds.config import add_recipe_arguments  # noqa: E402
 from paco_ds.errors import exit_on_user_error  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", required=True, help="recipe YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable), e.g. --set train.learning_rate=1e-4")
+    add_recipe_arguments(p)
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, print the epoch plan, exit")
     p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for this many processes")
     p.add_argument("--export-lora", default=None, metavar="CKPT",
                    help="export the LoRA of a checkpoint ('latest' or a directory) in diffusers format and exit")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p.parse_args(argv)
 
 

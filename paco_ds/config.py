@@ -446,6 +446,19 @@ def _format_validation_error(err: ValidationError, locs: dict[tuple, str], sourc
     return f"{where}: config key '{dotted}': {msg}{got_s}"
 
 
+def add_recipe_arguments(parser) -> None:
+    """The arguments every entry point that runs a recipe shares: --config, --set, and the launcher's rank."""
+    import argparse
+    import os
+
+    parser.add_argument("--config", required=True, help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable), e.g. --set train.learning_rate=1e-4")
+    # the deepspeed launcher passes --local_rank; the rank itself is read from LOCAL_RANK
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")),
+                        help=argparse.SUPPRESS)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, schema: type[BaseModel] | None = None):
     """Load a recipe, apply `extends` and `--set` overrides, and validate it against `schema`
     (the GRPO `Config` by default; the reward SFT passes its own). The schema needs a `source` field."""
