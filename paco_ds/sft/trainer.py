@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from paco_ds.checkpoint import CheckpointManager
 from paco_ds.config import config_to_yaml
-from paco_ds.distributed import DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed
+from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed,
+                                 shutdown_distributed)
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
 from paco_ds.errors import DataError, TrainingDiverged
 from paco_ds.metrics import MetricsLogger
@@ -314,3 +315,4 @@ def run(cfg: SFTConfig, resume: str | None = None) -> None:
         trainer.fit(resume)
     finally:
         trainer.close()
+    shutdown_distributed()
