@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -29,9 +30,20 @@ def main(argv=None) -> None:
     import uvicorn
 
     cached = json.loads(open(args.response).read())
-    app = FastAPI(title="fixed-latency stand-in judge")
     parent = os.getppid()
     served = {"requests": 0}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        async def exit_with_parent():
+            while os.getppid() == parent:
+                await asyncio.sleep(1.0)
+            os._exit(0)
+        watcher = asyncio.get_running_loop().create_task(exit_with_parent())
+        yield
+        watcher.cancel()
+
+    app = FastAPI(title="fixed-latency stand-in judge", lifespan=lifespan)
 
     @app.get("/health")
     async def health():
@@ -51,14 +63,6 @@ def main(argv=None) -> None:
         served["requests"] += 1
         await asyncio.sleep(args.latency)
         return {**cached, "id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.model}
-
-    @app.on_event("startup")
-    async def watch_parent():
-        async def loop():
-            while os.getppid() == parent:
-                await asyncio.sleep(1.0)
-            os._exit(0)
-        asyncio.get_running_loop().create_task(loop())
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -211,6 +211,9 @@ class RewardsConfig(Section):
     train: RewardSet
     test: RewardSet | None = None  # None: the train set (decoupled when given)
     overlap: bool = True  # score each rollout batch while the next one samples (False: score in line)
+    # Rollout batches a remote judge scores at once (its requests bounded by each reward's
+    # max_concurrency): a judge slower per batch than the sampler then still keeps pace.
+    batches_in_flight: int = Field(default=8, ge=1)
 
     @property
     def eval(self) -> RewardSet:

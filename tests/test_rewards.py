@@ -67,3 +67,67 @@ def test_registry_rejects_unknown_reward_arguments():
     with pytest.raises(ConfigError, match="unknown reward"):
         build_reward("nope", {})
     assert {"consistency_score", "subfig_clipT", "pickscore", "jpeg_compressibility"} <= set(REWARDS)
+
+
+class _Sleeper:
+    """A reward that takes `seconds` per batch and records how many batches it scored at once."""
+
+    name = "sleeper"
+
+    def __init__(self, remote: bool, seconds: float = 0.3):
+        import threading
+
+        self.remote, self.seconds, self.lock = remote, seconds, threading.Lock()
+        self.running = self.peak = 0
+
+    def __call__(self, images, prompts, metadata, ref_images=None):
+        import time
+
+        from paco_ds.rewards.base import RewardResult
+
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(self.seconds)
+        with self.lock:
+            self.running -= 1
+        return RewardResult.ok([float(m["i"]) for m in metadata])
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("remote", [True, False])
+def test_runner_keeps_several_batches_at_a_remote_judge_and_one_at_a_local_reward(remote):
+    """A remote judge's time is its server's latency: batch b+1 must not queue behind batch b's
+    answers, or a judge slower per batch than the sampler sets the epoch's pace. A local reward
+    shares the trainer's device and scores one batch at a time. Results stay in submission order."""
+    import time
+
+    from paco_ds.config import RewardSet
+    from paco_ds.rewards.runner import RewardRunner
+
+    reward = _Sleeper(remote)
+    runner = RewardRunner(RewardSet(terms={"jpeg_compressibility": {}}), shared={("jpeg_compressibility", ()): reward},
+                          batches_in_flight=3)
+    t0 = time.perf_counter()
+    for b in range(6):
+        runner.submit(torch.zeros(1, 3, 8, 8, dtype=torch.uint8), ["p"], [{"i": b}])
+    submitted = time.perf_counter() - t0
+    res = runner.collect()["jpeg_compressibility"]
+    elapsed = time.perf_counter() - t0
+    runner.close()
+    assert submitted < 0.2  # submit never waits for the judge
+    assert res.scores.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    if remote:
+        assert reward.peak == 3 and elapsed < 6 * 0.3 * 0.75  # two waves of three, not six in a row
+    else:
+        assert reward.peak == 1 and elapsed >= 6 * 0.3
+
+
+def test_runner_rejects_zero_batches_in_flight():
+    from paco_ds.config import RewardSet
+    from paco_ds.rewards.runner import RewardRunner
+
+    with pytest.raises(ValueError, match="batches_in_flight"):
+        RewardRunner(RewardSet(terms={"jpeg_compressibility": {}}), batches_in_flight=0)

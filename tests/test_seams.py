@@ -94,11 +94,11 @@ def test_rewards_receive_the_original_reference_images():
     from paco_ds.sampling.grid import to_pil
 
     reward = _RecordRefs()
-    runner = RewardRunner(RewardSet(terms={"jpeg_compressibility": {}}), shared={})
-    runner.rewards = {"ref": reward}
+    # `shared` hands the runner an already-built reward under the term's name and arguments
+    runner = RewardRunner(RewardSet(terms={"jpeg_compressibility": {}}), shared={("jpeg_compressibility", ()): reward})
     refs = _refs([7, 99])
     res = runner.score(torch.zeros(2, 3, 16, 16, dtype=torch.uint8), ["a", "b"], [{}, {}],
                        [to_pil(im[None])[0] for im in refs])
     runner.close()
     assert [im.size for im in reward.refs] == [(48, 32), (48, 32)]  # the original size, not resized
-    assert res["ref"].scores.tolist() == [7.0, 99.0]
+    assert res["jpeg_compressibility"].scores.tolist() == [7.0, 99.0]

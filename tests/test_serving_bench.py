@@ -35,3 +35,20 @@ def test_reward_overlap_benchmark_reports_the_hidden_fraction(tmp_path):
     assert wait > 0.25 * overlap["busy_s"] / batches, overlap
     # ... but not for all the reward time: the first batch was scored while the second sampled
     assert wait < overlap["busy_s"], overlap
+
+
+def test_fixed_latency_judge_keeps_batches_in_flight(tmp_path):
+    """With a judge on its own hardware (the stand-in: 0.4 s per request, no CPU while it waits),
+    the reward of batch b+1 is not queued behind batch b's answers: after sampling, collect()
+    waits for about one latency, not for the batches' latencies in a row."""
+    latency, batches = 0.4, 4
+    out = run_cli("benchmarks/reward_overlap.py", "--judges", "fixed", "--fixed-batches", str(batches),
+                  "--latency", str(latency), "--repeats", "1", "--resolution", "64", "--target", "0",
+                  "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rep = json.loads((tmp_path / "reward_overlap.json").read_text())["variants"]["fixed"]
+    assert rep["valid_scores"] == batches and rep["latency_s"] == latency
+    (inline,), (overlap,) = rep["runs"]["inline"], rep["runs"]["overlap"]
+    assert inline["busy_s"] >= batches * latency  # in line, each batch waits for its own answers
+    wait = overlap["epoch_s"] - overlap["sample_s"]
+    assert wait < 2 * latency, overlap  # in a row it would be about batches * latency - sampling

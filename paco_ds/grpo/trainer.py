@@ -101,9 +101,11 @@ class GRPOTrainer:
         shared: dict = {}
         ctx = {"device": str(dist.device), "run_dir": self.run_dir,
                "reward_endpoints": endpoints_for_run(cfg.reward_servers, self.run_dir)}
-        self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap, **ctx)
+        self.train_rewards = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap,
+                                          cfg.rewards.batches_in_flight, **ctx)
         self.eval_rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else
-                                         "rewards.train.terms", shared, **ctx)
+                                         "rewards.train.terms", shared, batches_in_flight=cfg.rewards.batches_in_flight,
+                                         **ctx)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
         self.sde = self.loss.sde  # rollouts sample with the loss's SDE step

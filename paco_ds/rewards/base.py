@@ -7,6 +7,7 @@ validity mask. A reward that cannot score a sample raises (policy `raise`) or ma
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -110,26 +111,30 @@ def image_digest(image: Image.Image) -> str:
 
 
 class LRUCache:
-    """A small bounded cache (used for per-panel scores that repeat across epochs and prompts)."""
+    """A small bounded cache (used for per-panel scores that repeat across epochs and prompts).
+    Thread-safe: a remote judge scores several batches at once from the RewardRunner's threads."""
 
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
         self._data: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def get(self, key):
-        if key in self._data:
-            self._data.move_to_end(key)
-            self.hits += 1
-            return self._data[key]
-        self.misses += 1
-        return None
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                self.hits += 1
+                return self._data[key]
+            self.misses += 1
+            return None
 
     def put(self, key, value) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.capacity:
+                self._data.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._data)

@@ -24,6 +24,7 @@ import base64
 import io
 import logging
 import math
+import threading
 from itertools import combinations
 from typing import Hashable
 
@@ -101,6 +102,7 @@ class RemoteJudge(Reward):
                                  retry)
         self.cache = LRUCache(cache_size)
         self.requests = 0  # sent to the server (after deduplication and cache)
+        self._count_lock = threading.Lock()  # judge() runs on several of the runner's threads at once
 
     def judge(self, questions: dict[Hashable, tuple[tuple[Image.Image, ...], str]]) -> dict[Hashable, float | RewardError]:
         """P(Yes) for each question {key: (images, text)}; keys already answered come from the cache.
@@ -123,7 +125,8 @@ class RemoteJudge(Reward):
         coros = [self.client.first_token_logprobs(
             [*({"type": "image_url", "image_url": {"url": uri(im)}} for im in images), {"type": "text", "text": text}],
             self.top_logprobs) for images, text in todo.values()]
-        self.requests += len(coros)
+        with self._count_lock:
+            self.requests += len(coros)
         for key, res in zip(todo, self.client.run(coros, return_exceptions=True) if coros else []):
             if isinstance(res, RewardError):
                 out[key] = res

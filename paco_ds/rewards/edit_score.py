@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import re
+import threading
 
 import numpy as np
 
@@ -152,6 +153,7 @@ class EditScore(Reward):
                                  retry)
         self.cache = LRUCache(cache_size) if temperature == 0 else None
         self.requests = 0  # sent to the server
+        self._count_lock = threading.Lock()  # score() runs on several of the runner's threads at once
         self.unparsed = 0  # replies that did not parse
 
     def _ask(self, questions: dict) -> dict:
@@ -173,7 +175,8 @@ class EditScore(Reward):
         coros = [self.client.reply([{"type": "text", "text": text},
                                     *({"type": "image_url", "image_url": {"url": uri(im)}} for im in images)],
                                    self.max_tokens, self.temperature, self.top_p) for images, text in todo.values()]
-        self.requests += len(coros)
+        with self._count_lock:
+            self.requests += len(coros)
         for key, res in zip(todo, self.client.run(coros, return_exceptions=True) if coros else []):
             if isinstance(res, RewardError):
                 out[key] = res
@@ -183,7 +186,8 @@ class EditScore(Reward):
                 try:
                     out[key] = parse_scores(res, self.score_range)
                 except ValueError as err:
-                    self.unparsed += 1
+                    with self._count_lock:
+                        self.unparsed += 1
                     snippet = " ".join(res.split())[:120]
                     out[key] = RewardError(f"the judge's reply does not parse ({err}): {snippet!r}")
                     continue

@@ -1,9 +1,12 @@
 """Runs a configured set of rewards in the background, so scoring overlaps sampling.
 
-`submit()` hands a finished rollout batch to a thread pool (one task per reward, so a remote
-judge and local CLIP models score concurrently) and returns at once; `collect()` waits for all
-submitted batches and returns one result per reward in submission order (with its named
-parts, if any: `part_scores` flattens them for logging). With `on_failure: mask`
+`submit()` hands a finished rollout batch to each reward's worker threads and returns at once;
+`collect()` waits for all submitted batches and returns one result per reward in submission
+order (with its named parts, if any: `part_scores` flattens them for logging). A remote judge
+scores up to `batches_in_flight` batches at once: its time is the server's latency, not this
+host's work, so batch b+1's requests must not queue behind batch b's answers (a judge slower per
+batch than the sampler would otherwise set the epoch's pace). A local reward (CLIP on the
+trainer's device) scores one batch at a time: more would only contend for the same device. With `on_failure: mask`
 a reward that raises marks its samples invalid (counted; only the failed ones when it raises a
 PartialRewardError), with `raise` the error stops the run.
 """
@@ -43,9 +46,12 @@ def part_scores(results: dict[str, RewardResult]) -> dict[str, np.ndarray]:
 
 class RewardRunner:
     def __init__(self, spec: RewardSet, where: str = "rewards.train.terms", shared: dict[str, Reward] | None = None,
-                 overlap: bool = True, **context):
+                 overlap: bool = True, batches_in_flight: int = 8, **context):
         """`shared`: already-built rewards to reuse when the name and arguments are the same.
-        `overlap=False` scores each batch inside `submit` (the synchronous baseline)."""
+        `overlap=False` scores each batch inside `submit` (the synchronous baseline).
+        `batches_in_flight`: batches a remote reward scores at once (local rewards: 1)."""
+        if batches_in_flight < 1:
+            raise ValueError(f"batches_in_flight must be >= 1 (got {batches_in_flight})")
         self.spec, self.overlap = spec, overlap
         self.weights = {name: term.weight for name, term in spec.terms.items()}
         self.rewards: dict[str, Reward] = {}
@@ -57,7 +63,9 @@ class RewardRunner:
                 self.rewards[name] = build_reward(name, term.kwargs, where=where, **context)
                 if shared is not None:
                     shared[key] = self.rewards[name]
-        self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.rewards)), thread_name_prefix="reward")
+        self.pools = {name: ThreadPoolExecutor(max_workers=batches_in_flight if r.remote else 1,
+                                               thread_name_prefix=f"reward:{name}")
+                      for name, r in self.rewards.items()}
         self.pending: list[tuple[int, dict[str, Future]]] = []
         self.busy_seconds = 0.0  # summed time the reward functions ran
         self.failures = 0
@@ -85,7 +93,7 @@ class RewardRunner:
 
     def submit(self, images, prompts: list[str], metadata: list[dict], ref_images=None) -> None:
         pil = to_pil(images)
-        futures = {name: self.pool.submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
+        futures = {name: self.pools[name].submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
                    for name, r in self.rewards.items()}
         self.pending.append((len(pil), futures))
         if not self.overlap:
@@ -113,6 +121,7 @@ class RewardRunner:
         return self.collect()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         for r in set(self.rewards.values()):
             r.close()
