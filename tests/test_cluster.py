@@ -76,7 +76,7 @@ def test_routing_prefers_this_host_then_any_healthy():
         "m": ["http://10.0.0.1:8000/v1", "http://127.0.0.1:9/v1"], "n": ["http://x:1/v1"]}
     assert is_local("http://127.0.0.1:1/v1") and not is_local("http://192.0.2.1:1/v1")
     # Nothing answers: the nearest is returned, so its errors name it.
-    assert choose(["http://192.0.2.1:1/v1", "http://127.0.0.1:9/v1"], "m") == "http://127.0.0.1:9/v1"
+    assert choose(["http://192.0.2.1:1/v1", "http://127.0.0.1:9/v1"], "m") == ("http://127.0.0.1:9/v1", None)
 
 
 def _cli(*args):

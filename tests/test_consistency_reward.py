@@ -83,6 +83,8 @@ def test_six_requests_per_2x2_image_at_the_server_and_a_cache_across_calls(serve
     res = r(images, [it["prompt"] for it in items], items)
     assert _completed(server) - before == 6 * len(images) == r.requests
     assert res.valid.all()
+    latencies = r.take_latencies()  # one per answered request, for judge/latency_ms_* in metrics
+    assert len(latencies) == 6 * len(images) and all(0 < t < 60 for t in latencies) and r.take_latencies() == []
     # The score is the mean over the 6 panel pairs (earlier panel first) of the reference v1 prompt.
     panels = split_panels(images[0], 2, 2)
     text = PAIR_TEMPLATE_V1.format(theme=split_prompt(items[0]["prompt"])[0])
@@ -93,6 +95,7 @@ def test_six_requests_per_2x2_image_at_the_server_and_a_cache_across_calls(serve
     assert reference == 3 * 6 * len(items)
     again = r(images, [it["prompt"] for it in items], items)
     assert _completed(server) - before == 6 * len(images)  # all from the cache
+    assert r.take_latencies() == []  # no request, no latency
     assert np.array_equal(again.scores, res.scores)
     r.close()
 

@@ -131,3 +131,13 @@ def test_runner_rejects_zero_batches_in_flight():
 
     with pytest.raises(ValueError, match="batches_in_flight"):
         RewardRunner(RewardSet(terms={"jpeg_compressibility": {}}), batches_in_flight=0)
+
+
+def test_judge_latency_metrics_pool_ranks_and_name_the_slowest():
+    from paco_ds.grpo.trainer import judge_latency_metrics
+
+    m = judge_latency_metrics([[0.010, 0.020, 0.030], [0.200, 0.400], []])
+    assert m["judge/latency_ms_p50"] == pytest.approx(30.0)
+    assert m["judge/latency_ms_p90"] == pytest.approx(320.0)  # numpy's linear interpolation over 5 values
+    assert m["judge/latency_ms_slowest_rank"] == pytest.approx(300.0)  # rank 1's median
+    assert judge_latency_metrics([[], []]) == {}  # local rewards only: nothing logged

@@ -54,6 +54,15 @@ from paco_ds.serving.manager import endpoints_for_run, started_for_run
 log = logging.getLogger(__name__)
 
 
+def judge_latency_metrics(per_rank: list[list[float]]) -> dict[str, float]:
+    """judge/latency_ms_p50 and _p90 over every rank's requests, and the slowest rank's median
+    (a rank routed to a far or overloaded judge shows there); {} without remote rewards."""
+    pooled = np.concatenate([np.asarray(r, dtype=np.float64) for r in per_rank]) * 1000
+    if not pooled.size:
+        return {}
+    return {"judge/latency_ms_p50": float(np.percentile(pooled, 50)),
+            "judge/latency_ms_p90": float(np.percentile(pooled, 90)),
+            "judge/latency_ms_slowest_rank": float(max(np.median(r) for r in per_rank if len(r)) * 1000)}
 
 
 @dataclass
@@ -281,6 +290,7 @@ class GRPOTrainer:
             "scores": {name: r.scores for name, r in results.items()},
             "parts": part_scores(results),  # e.g. consistency_for_editing's consistency and following
             "valid": np.logical_and.reduce([r.valid for r in results.values()]),
+            "latency_s": self.train_rewards.take_latencies(),  # this epoch's judge requests, evaluation's included
         }
         everyone = all_gather_object(local)
         pos = np.concatenate([e["positions"] for e in everyone])
@@ -309,6 +319,7 @@ class GRPOTrainer:
         metrics["reward/combined/mean"] = float(adv.combined[finite].mean()) if finite.any() else float("nan")
         metrics["reward/masked"] = float((~valid).sum())
         metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
+        metrics |= judge_latency_metrics([e["latency_s"] for e in everyone])
         if self.dist.is_main and self.cfg.logging.num_train_images:
             n = self.cfg.logging.num_train_images
             images = [im for t in trajs for im in to_pil(t.images)][:n]

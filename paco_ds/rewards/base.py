@@ -73,6 +73,11 @@ class Reward:
             raise ValueError(f"{self.name}: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
         return self.score(images, list(prompts), metadata, ref_images)
 
+    def take_latencies(self) -> list[float]:
+        """A remote reward's request latencies (seconds) since the last call; [] for local ones."""
+        client = getattr(self, "client", None)
+        return client.take_latencies() if client is not None else []
+
     def close(self) -> None:
         pass
 

@@ -51,6 +51,8 @@ class ChatClient:
                  retry: RetryPolicy = RetryPolicy()):
         self.base_url, self.model, self.retry = base_url.rstrip("/"), model, retry
         self.where = f"reward server {self.base_url} (model '{model}')"
+        self._latencies: list[float] = []  # seconds per answered request, until take_latencies()
+        self._latency_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"reward-client:{model}", daemon=True)
         self._thread.start()
@@ -71,7 +73,8 @@ class ChatClient:
 
         return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
 
-    async def _with_retries(self, what: str, call: Callable[[float], Awaitable[Any]]) -> Any:
+    async def _with_retries(self, what: str, call: Callable[[float], Awaitable[Any]], timed: bool = True) -> Any:
+        """`timed`: the answered attempt's latency goes to take_latencies() (scoring requests)."""
         start = time.monotonic()
         deadline = start + self.retry.budget
         last: Exception | None = None
@@ -81,7 +84,12 @@ class ChatClient:
                 break
             try:
                 async with self._sem:
-                    return await call(min(self.retry.timeout, left))
+                    t0 = time.perf_counter()
+                    result = await call(min(self.retry.timeout, left))
+                if timed:
+                    with self._latency_lock:
+                        self._latencies.append(time.perf_counter() - t0)
+                return result
             except openai.APIStatusError as err:
                 if err.status_code not in RETRY_STATUS:
                     raise RewardError(f"{self.where}: {what} rejected with HTTP {err.status_code}: "
@@ -97,9 +105,16 @@ class ChatClient:
         raise RewardError(f"{self.where}: {what} failed after {attempt + 1} attempts in "
                           f"{time.monotonic() - start:.1f}s: {_message(last)}")
 
+    def take_latencies(self) -> list[float]:
+        """Seconds from send to answer of each scoring request answered since the last call (the
+        answering attempt; retries and the wait for a concurrency slot not included)."""
+        with self._latency_lock:
+            out, self._latencies = self._latencies, []
+        return out
+
     # ---------------------------------------------------------------------------------- API
     async def served_models(self) -> list[str]:
-        page = await self._with_retries("listing models", lambda t: self._client.models.list(timeout=t))
+        page = await self._with_retries("listing models", lambda t: self._client.models.list(timeout=t), timed=False)
         return [m.id for m in page.data]
 
     def check_model(self) -> None:

@@ -120,6 +120,11 @@ class RewardRunner:
         self.submit(images, prompts, metadata, ref_images)
         return self.collect()
 
+    def take_latencies(self) -> list[float]:
+        """Request latencies (seconds) of the remote rewards since the last call; a reward shared
+        with another runner (train and test) reports its requests once, to whichever asks first."""
+        return [t for r in {id(r): r for r in self.rewards.values()}.values() for t in r.take_latencies()]
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,19 +37,29 @@ def is_local(url: str) -> bool:
         return False
 
 
-def _answers(url: str, model: str, token: str | None) -> bool:
+def _answers(url: str, model: str, token: str | None) -> float | None:
+    """Seconds the judge took to list its models (a round trip over this route), None when it
+    does not answer or does not serve `model`."""
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
+        t0 = time.perf_counter()
         r = httpx.get(f"{url}/models", headers=headers, timeout=5.0)
-        return r.status_code == 200 and model in {m.get("id") for m in r.json().get("data", [])}
+        elapsed = time.perf_counter() - t0
+        ok = r.status_code == 200 and model in {m.get("id") for m in r.json().get("data", [])}
+        return elapsed if ok else None
     except (httpx.HTTPError, ValueError):
-        return False
+        return None
 
 
-def choose(urls: list[str], model: str, token: str | None = None) -> str:
-    """Nearest first, then any healthy; with none healthy, the nearest (its errors then name it)."""
+def choose(urls: list[str], model: str, token: str | None = None) -> tuple[str, float | None]:
+    """Nearest first, then any healthy: (url, the round trip of its model list in seconds). With
+    none healthy, (the nearest, None): its errors then name it."""
     ordered = sorted(urls, key=lambda u: not is_local(u))  # stable: the launcher's order among equals
-    return next((u for u in ordered if _answers(u, model, token)), ordered[0])
+    for url in ordered:
+        rtt = _answers(url, model, token)
+        if rtt is not None:
+            return url, rtt
+    return ordered[0], None
 
 
 def endpoints_from_env(environ=os.environ, api_key_env: str = "PACO_REWARD_API_KEY") -> dict[str, str] | None:
@@ -58,7 +69,9 @@ def endpoints_from_env(environ=os.environ, api_key_env: str = "PACO_REWARD_API_K
         return None
     token = environ.get(api_key_env)
     chosen = {model: choose(urls, model, token) for model, urls in parse(value).items() if urls}
-    for model, url in chosen.items():  # one line per rank: which judge it asks, and whether it is its own host's
-        print(f"[routing] rank {environ.get('RANK', '?')}: '{model}' -> {url} "
-              f"({'this host' if is_local(url) else 'another host'})", file=sys.stderr, flush=True)
-    return chosen
+    for model, (url, rtt) in chosen.items():  # one line per rank: which judge, on which host, how far
+        where = "this host" if is_local(url) else "another host"
+        reach = f"model list in {rtt * 1000:.1f} ms" if rtt is not None else "not answering yet"
+        print(f"[routing] rank {environ.get('RANK', '?')}: '{model}' -> {url} ({where}; {reach})",
+              file=sys.stderr, flush=True)
+    return {model: url for model, (url, _) in chosen.items()}

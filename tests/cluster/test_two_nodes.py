@@ -103,8 +103,16 @@ def test_two_nodes_one_judge(tmp_path):
     assert all(0 <= r["reward/consistency_score/mean"] <= 1 for r in rows if "reward/consistency_score/mean" in r)
     assert "--include 10.77.0.1:0@10.77.0.2:0" in log and "dist_world_size=2" in log
     # rank 0 asks the judge on its own node; rank 1 reaches it over the veth pair
-    assert "[routing] rank 0: 'paco-reward-tiny' -> http://10.77.0.1:8000/v1 (this host)" in log
-    assert "[routing] rank 1: 'paco-reward-tiny' -> http://10.77.0.1:8000/v1 (another host)" in log
+    assert "[routing] rank 0: 'paco-reward-tiny' -> http://10.77.0.1:8000/v1 (this host; model list in" in log
+    assert "[routing] rank 1: 'paco-reward-tiny' -> http://10.77.0.1:8000/v1 (another host; model list in" in log
+    # The route's cost, as each rank measured it at start-up and as the judge answered during training
+    print("\n".join(line for line in log.splitlines() if "[routing]" in line))
+    lat = [r for r in rows if "judge/latency_ms_p50" in r]
+    assert [r["epoch"] for r in lat] == [0, 1] and all(0 < r["judge/latency_ms_p50"] <= r["judge/latency_ms_p90"]
+                                                         for r in lat)
+    print("judge latency ms (p50, p90, slowest rank's p50):",
+          [(round(r["judge/latency_ms_p50"], 1), round(r["judge/latency_ms_p90"], 1),
+            round(r["judge/latency_ms_slowest_rank"], 1)) for r in lat])
     judges = json.loads((tmp_path / "one" / "cluster" / "judges.json").read_text())
     assert judges["judge@10.77.0.1:8000"]["completed"] > 0 and judges["judge@10.77.0.1:8000"]["restarts"] == 0
     assert "stopped everything on 10.77.0.1, 10.77.0.2" in log
@@ -117,7 +125,7 @@ def test_two_nodes_colocated(tmp_path):
     log = (tmp_path / "colo.log").read_text()
     assert code == 0, log[-4000:]
     assert "--include 10.77.0.1:0@10.77.0.2:0" in log  # colocated: the judges take no slot
-    assert "[routing] rank 1: 'paco-reward-tiny' -> http://10.77.0.2:8000/v1 (this host)" in log
+    assert "[routing] rank 1: 'paco-reward-tiny' -> http://10.77.0.2:8000/v1 (this host; model list in" in log
     judges = json.loads((tmp_path / "colo" / "cluster" / "judges.json").read_text())
     assert sorted(judges) == ["judge@10.77.0.1:8000", "judge@10.77.0.2:8000"]
     assert all(j["completed"] > 0 for j in judges.values())
