@@ -129,7 +129,11 @@ def test_two_nodes_colocated(tmp_path):
     judges = json.loads((tmp_path / "colo" / "cluster" / "judges.json").read_text())
     assert sorted(judges) == ["judge@10.77.0.1:8000", "judge@10.77.0.2:8000"]
     assert all(j["completed"] > 0 for j in judges.values())
-    assert [r["epoch"] for r in metrics(tmp_path / "colo") if "reward/consistency_score/mean" in r] == [0, 1]
+    rows = metrics(tmp_path / "colo")
+    assert [r["epoch"] for r in rows if "reward/consistency_score/mean" in r] == [0, 1]
+    # each epoch puts the judges to sleep for training; they are woken from the second epoch on
+    epochs = [r for r in rows if "judge/sleeps" in r]
+    assert [(r["epoch"], r["judge/sleeps"], r["judge/wakes"]) for r in epochs] == [(0, 1.0, 0.0), (1, 1.0, 1.0)]
     assert_nothing_left()
 
 
