@@ -2,7 +2,8 @@
 (paco_ds/eval/policy.py) runs too.
 
 `evaluate_test_prompts` samples every test prompt with ODE steps at the test resolution (an item's
-own size wins), scores it with the test reward set and gathers the results from all ranks. Prompt
+own size wins), scores it with the test reward set (each batch while the next one samples) and
+gathers the results from all ranks. Prompt
 i goes to rank i % world_size and samples from a generator seeded by (seed, "eval", i), so an image
 and its scores do not depend on how many processes share the work.
 """
@@ -28,7 +29,7 @@ def evaluate_test_prompts(trainer, adapter: bool = True) -> tuple[dict, list]:
     t0 = time.perf_counter()
     mine = [(i, it) for i, it in enumerate(trainer.test_items) if i % dist.world_size == dist.rank]
     n_show = cfg.test.num_images
-    records, shown = [], []
+    scored, shown = [], []  # (prompt index, size) of each submitted sample, in submission order
     ema = trainer.ema.swapped_in() if trainer.ema is not None and adapter else contextlib.nullcontext()
     with ema, _adapter(trainer.policy.transformer, adapter), trainer.rollout_module() as module:
         for start in range(0, len(mine), cfg.test.batch_size):
@@ -42,11 +43,14 @@ def evaluate_test_prompts(trainer, adapter: bool = True) -> tuple[dict, list]:
                                            guidance=cfg.sample.guidance_scale, noise_level=0.0, noise_steps=[],
                                            train_steps=[], generators=gens, sde_fn=trainer.sde, condition=condition)
                 refs = [to_pil(im[None])[0] for im in traj.condition.images] if traj.condition is not None else None
-                res = trainer.eval_rewards.score(traj.images, prompts, [it.metadata for it, _, _ in picks], refs)
+                # scored while the next batch samples, as in training; collected once below
+                trainer.eval_rewards.submit(traj.images, prompts, [it.metadata for it, _, _ in picks], refs)
                 for j, (_, i, _) in enumerate(picks):
-                    records.append((i, {n: float(r.scores[j]) for n, r in res.items()}, (h, w)))
+                    scored.append((i, (h, w)))
                     if i < n_show:  # an edit is shown beside its reference
                         shown.append((i, [refs[j]] if refs else [], to_pil(traj.images[j][None])[0]))
+    res = trainer.eval_rewards.collect()
+    records = [(i, {n: float(r.scores[k]) for n, r in res.items()}, size) for k, (i, size) in enumerate(scored)]
     everyone = sorted((r for rs in all_gather_object(records) for r in rs), key=lambda r: r[0])
     metrics = {}
     for name in trainer.eval_rewards.rewards:
