@@ -1,10 +1,6 @@
 """`launch/evaluate.py policy`: base against a trained LoRA on the recipe's test prompts, through
-the in-training evaluation (paco_ds/grpo/evaluation.py).
-
-`evaluate_test_prompts` samples every test prompt with ODE steps at the test resolution (an item's
-own size wins), scores it with the test reward set and gathers the results from all ranks. Prompt
-i goes to rank i % world_size and samples from a generator seeded by (seed, "eval", i), so an image
-and its scores do not depend on how many processes share the work.
+the in-training evaluation (`evaluate_test_prompts` in paco_ds/grpo/evaluation.py), so an image
+and its scores are the ones training logged for the same prompt and seed.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 
 `evaluate_test_prompts` samples every test prompt with ODE steps at the test resolution (an item's
 own size wins), scores it with the test reward set (each batch while the next one samples) and
-gathers the results from all ranks. Prompt
-i goes to rank i % world_size and samples from a generator seeded by (seed, "eval", i), so an image
-and its scores do not depend on how many processes share the work.
+gathers the results from all ranks. Prompt i goes to rank i % world_size and samples from a
+generator seeded by (seed, "eval", i), so an image and its scores do not depend on how many
+processes share the work.
 """
 from __future__ import annotations
 
@@ -81,6 +81,3 @@ def _adapter(transformer, on: bool):
         yield
     finally:
         transformer.enable_adapters()
-
-
-# ------------------------------------------------------------------------------------ the command

@@ -6,9 +6,9 @@ order (with its named parts, if any: `part_scores` flattens them for logging). A
 scores up to `batches_in_flight` batches at once: its time is the server's latency, not this
 host's work, so batch b+1's requests must not queue behind batch b's answers (a judge slower per
 batch than the sampler would otherwise set the epoch's pace). A local reward (CLIP on the
-trainer's device) scores one batch at a time: more would only contend for the same device. With `on_failure: mask`
-a reward that raises marks its samples invalid (counted; only the failed ones when it raises a
-PartialRewardError), with `raise` the error stops the run.
+trainer's device) scores one batch at a time: more would only contend for the same device.
+With `on_failure: mask` a reward that raises marks its samples invalid (counted; only the failed
+ones when it raises a PartialRewardError), with `raise` the error stops the run.
 """
 from __future__ import annotations
 
