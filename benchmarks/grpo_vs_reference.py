@@ -136,7 +136,8 @@ def load_policy(args, device):
         cfg = ModelConfig(path=str(save_flux_folder(args.model_dir)), max_sequence_length=args.max_sequence_length)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # §1.6 (and model.allow_tf32)
     policy = FluxPolicy.load(cfg, device)
-    add_lora(policy.transformer, LoraConfig())  # r=64, alpha=128, gaussian init, the reference's targets (§1.2)
+    # r=64, alpha=128, gaussian init, and PaCo-RL's targets for FLUX (scripts/train_flux.py, its LoRA set-up)
+    add_lora(policy.transformer, LoraConfig(target_modules=list(FluxPolicy.lora_targets)))
     return policy
 
 

@@ -19,14 +19,6 @@ from paco_ds.serving.config import ServersConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# LoRA targets of the reference (attention and MLP of both streams of FLUX's double blocks; the
-# names that also exist in single blocks match there too).
-FLUX_LORA_TARGETS = [
-    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-]
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -40,7 +32,9 @@ class LoraConfig(Section):
     alpha: float = Field(128, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     init: Literal["gaussian", "default"] = "gaussian"
-    target_modules: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
+    # None: the family's own (its policy's `lora_targets`, filled in by paco_ds.models.with_family_defaults).
+    # Each name must match a module of the transformer (peft's rule: the name, or a suffix after a dot).
+    target_modules: list[str] | None = None
     path: str | None = None  # an adapter to start from (diffusers or peft format)
 
 
@@ -64,7 +58,7 @@ class TinyModelConfig(Section):
 
 class ModelConfig(Section):
     family: str = "flux"  # a policy of paco_ds/models (POLICIES)
-    path: str = "black-forest-labs/FLUX.1-dev"  # hub id or local directory
+    path: str | None = None  # hub id or local directory; None: the family's own (its policy's `default_path`)
     revision: str | None = None
     tiny: bool = False
     tiny_spec: TinyModelConfig = Field(default_factory=TinyModelConfig)
@@ -132,6 +126,28 @@ class NFTConfig(Section):
     adaptive_weight: bool = True  # x0-regression weighted by 1 / mean|x0_hat - x0| (stop-grad)
 
 
+class AWMConfig(Section):
+    """Advantage Weighted Matching (arXiv 2509.25050); docs/losses.md maps each key to the paper and
+    to the authors' code (scxue/advantage_weighted_matching, scripts/train_sd3_awm.py)."""
+
+    # The noise levels t trained per sample: `fixed` the schedule's sigma_j of train.timesteps (as
+    # nft); `discrete` one step per stratum of [0, sample.num_steps * timestep_fraction), its sigma
+    # (`discrete_wo_init` strata of [1, ...), `discrete_with_init` step 0 plus those); `logit_normal`
+    # / `uniform` a stratified continuous t under time_shift.
+    timestep_sampling: Literal["fixed", "discrete", "discrete_wo_init", "discrete_with_init", "logit_normal",
+                               "uniform"] = "discrete"
+    num_timesteps: int = Field(6, ge=1)  # K levels per sample (with `fixed`: train.timesteps lists them)
+    timestep_fraction: float = Field(0.9, gt=0, le=1)
+    time_shift: float = Field(3.0, gt=0)  # continuous samplings only
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # log p = -w(t, mse)
+    ghuber_power: float = Field(0.25, gt=0)
+    clip_range: float | None = Field(1.0, gt=0)  # PPO clip of exp(log p - log p_old); null: -A log p
+    advantage_max: float = Field(1.0, gt=0)  # A -> clip(A, +-advantage.clip) * advantage_max / advantage.clip
+    ema_beta: float = Field(0.0, ge=0)  # weight of mean((v - v_anchor)^2), the anchor a slow EMA of the policy
+    ema_decay: float = Field(0.3, ge=0, lt=1)
+    ema_decay_type: Literal["linear", "constant"] = "linear"  # linear: min(ema_decay, 0.001 x optimizer steps)
+
+
 class TrainConfig(Section):
     resolution: int = Field(512, gt=0)  # fallback when an item has no height/width
     num_epochs: int = Field(1000, ge=1)
@@ -150,6 +166,7 @@ class TrainConfig(Section):
     timesteps: list[int] | None = None  # trained step indices; default: sample.noise_steps
     ratio_norm: bool = False  # GRPO-Guard: RatioNorm + per-step gradient reweighting on PPO-clip
     nft: NFTConfig = Field(default_factory=NFTConfig)  # used by loss: nft
+    awm: AWMConfig = Field(default_factory=AWMConfig)  # used by loss: awm
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
 
@@ -328,7 +345,9 @@ class Config(Recipe):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
-        steps = self.train_timesteps
+        if self.train.loss == "awm":
+            self._awm_checks()
+        steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above
         bad = [j for j in steps if j >= self.sample.num_steps]
         if bad:
             raise ValueError(f"train.timesteps {bad} must be < sample.num_steps={self.sample.num_steps}")
@@ -352,8 +371,31 @@ class Config(Recipe):
                                  "an ODE step has no log-probability")
         return self
 
+    def _awm_checks(self) -> None:
+        awm, n = self.train.awm, self.sample.num_steps
+        if self.train.ratio_norm or self.sample.sde_window is not None:
+            raise ValueError("train.loss=awm trains on clean latents: train.ratio_norm and sample.sde_window "
+                             "apply to SDE log-prob losses only")
+        if awm.timestep_sampling == "fixed":
+            steps = self.train_timesteps
+            if not steps or any(j >= n for j in steps):
+                raise ValueError(f"train.timesteps {steps}: train.awm.timestep_sampling=fixed trains these step "
+                                 f"indices; give at least one, each < sample.num_steps={n}")
+            return
+        if self.train.timesteps is not None:
+            raise ValueError(f"train.timesteps: only with train.awm.timestep_sampling=fixed (with "
+                             f"{awm.timestep_sampling}, train.awm.num_timesteps levels are drawn)")
+        if awm.timestep_sampling.startswith("discrete"):
+            end, k = int(n * awm.timestep_fraction), awm.num_timesteps
+            room = end - 1 if awm.timestep_sampling == "discrete_wo_init" else end  # strata of width >= 1
+            if k > room:
+                raise ValueError(f"train.awm.num_timesteps={k}: {awm.timestep_sampling} draws distinct steps below "
+                                 f"sample.num_steps x train.awm.timestep_fraction = {end}; at most {room}")
+
     @property
     def train_timesteps(self) -> list[int]:
+        if self.train.loss == "awm" and self.train.awm.timestep_sampling != "fixed":
+            return list(range(self.train.awm.num_timesteps))  # AWM's K slots, each draws its level per visit
         # The reference bound train.timesteps to noise_steps before editing configs changed them
         # (REFERENCE.md §12.3); here the default is read at use time. With an SDE window: the
         # window at its first position (each epoch or group draws where it lies; its size is what counts).

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
@@ -18,7 +19,8 @@ GUIDANCE = 2.5  # the Kontext recipe's guidance scale
 
 
 def tiny_cfg(**kw) -> ModelConfig:
-    return ModelConfig(family="flux_kontext", tiny=True, dtype="fp32", lora=LoraConfig(rank=8, alpha=16), **kw)
+    return with_family_defaults(ModelConfig(family="flux_kontext", tiny=True, dtype="fp32",
+                                            lora=LoraConfig(rank=8, alpha=16), **kw))
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +232,7 @@ def test_lora_export_loads_into_flux_kontext_pipeline(policy, tmp_path):
 def test_load_refuses_checkpoints_that_are_not_kontext(tmp_path):
     from paco_ds.models.flux_kontext import KONTEXT_PATH, kontext_path
 
-    assert kontext_path(ModelConfig(family="flux_kontext")) == KONTEXT_PATH  # the schema's FLUX.1-dev unset
+    assert kontext_path(ModelConfig(family="flux_kontext")) == KONTEXT_PATH  # model.path unset
     assert kontext_path(ModelConfig(family="flux_kontext", path=KONTEXT_PATH)) == KONTEXT_PATH
     with pytest.raises(ValueError, match="FLUX.1-Kontext weights"):  # the reference's recipe bug
         kontext_path(ModelConfig(family="flux_kontext", path="black-forest-labs/FLUX.1-dev"))

@@ -63,7 +63,9 @@ def ema_weights(ckpt: Path, shapes: dict[str, torch.Size], stage: int) -> dict[s
 
 def adapter_config(cfg: Config, names: list[str]) -> dict:
     """The peft config a loader needs: rank, alpha, dropout and the targets that were adapted."""
-    lora = cfg.model.lora
+    from paco_ds.models import with_family_defaults
+
+    lora = with_family_defaults(cfg.model).lora
     present = {n.split(".lora_")[0] for n in names}
     targets = sorted(t for t in lora.target_modules if any(p.endswith(t) for p in present))
     return {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,

@@ -31,7 +31,12 @@ def registries() -> dict[str, list[str]]:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    return load_recipe(path, overrides, Config, context=registries())
+    """The recipe, with `model.path` and `model.lora.target_modules` the family's own where unset."""
+    from paco_ds.models import with_family_defaults
+
+    cfg = load_recipe(path, overrides, Config, context=registries())
+    cfg.model = with_family_defaults(cfg.model)
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,9 @@ def check_recipe(cfg: Config, world_size: int) -> tuple[EpochPlan, int, int | No
 
 def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None) -> str:
     rows = [
-        ("recipe", cfg.source), ("model", "tiny (offline)" if cfg.model.tiny else cfg.model.path),
+        ("recipe", cfg.source),
+        ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
+        ("LoRA targets", ", ".join(cfg.model.lora.target_modules or [])),
         ("train prompts", n_train), ("test prompts", n_test if n_test is not None else "-"),
         ("world size", plan.world_size), ("group size k", plan.group_size),
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),

@@ -20,6 +20,19 @@ def policy_class(family: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def with_family_defaults(model_cfg):
+    """`model_cfg` with `path` and `lora.target_modules`, where the recipe left them unset (None),
+    taken from the family's policy class (`default_path`, `lora_targets`)."""
+    cls = policy_class(model_cfg.family)
+    update = {}
+    if model_cfg.path is None:
+        update["path"] = cls.default_path
+    if model_cfg.lora.target_modules is None:
+        update["lora"] = model_cfg.lora.model_copy(update={"target_modules": list(cls.lora_targets)})
+    return model_cfg.model_copy(update=update) if update else model_cfg
+
+
 def build_policy(model_cfg, device, ds_config: dict | None = None):
     """Load the recipe's policy. With a ZeRO-3 `ds_config` the transformer is built partitioned."""
+    model_cfg = with_family_defaults(model_cfg)
     return policy_class(model_cfg.family).load(model_cfg, device, ds_config=ds_config)

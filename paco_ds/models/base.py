@@ -107,6 +107,12 @@ class Policy(ABC):
 
     size_multiple: int = 16  # image sides must be multiples of this (latent packing, VL processor)
 
+    # The family's own defaults, used when a recipe leaves `model.path` or `model.lora.target_modules`
+    # unset (paco_ds.models.with_family_defaults): each family names its checkpoint and the module
+    # names of its own transformer, so no family inherits another's.
+    default_path: str
+    lora_targets: tuple[str, ...]
+
     @abstractmethod
     def encode_prompts(self, prompts: list[str], condition: "Condition | None" = None) -> TextEmbeds:
         """Text conditioning, computed once per sample; an editing policy whose text encoder also

@@ -28,6 +28,15 @@ def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
 
 
 class FluxPolicy(Policy):
+    default_path = "black-forest-labs/FLUX.1-dev"
+    # PaCo-RL's targets (scripts/train_flux.py in github.com/X-GenGroup/PaCo-RL): attention and MLP
+    # of both streams of the double blocks; the names that also exist in single blocks match there.
+    lora_targets = (
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    )
+
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
                  tokenizer, tokenizer_2, scheduler_config: dict, device: torch.device, dtype: torch.dtype,
                  max_sequence_length: int = 512):

@@ -39,11 +39,10 @@ NOT_KONTEXT = ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell
 
 
 def kontext_path(cfg: ModelConfig) -> str:
-    """The checkpoint to load: `model.path` when the recipe sets it (the schema's default is
-    FLUX.1-dev, the text-to-image family's), FLUX.1-Kontext-dev otherwise. Refuses checkpoints
-    known not to be Kontext: a hub id of FLUX.1-dev/schnell, or a local folder whose
-    model_index.json names another pipeline."""
-    path = cfg.path if "path" in cfg.model_fields_set else KONTEXT_PATH
+    """The checkpoint to load: `model.path` when the recipe sets it, FLUX.1-Kontext-dev otherwise.
+    Refuses checkpoints known not to be Kontext: a hub id of FLUX.1-dev/schnell, or a local folder
+    whose model_index.json names another pipeline."""
+    path = cfg.path or KONTEXT_PATH
     if path.rstrip("/") in NOT_KONTEXT:
         raise ValueError(f"model.family flux_kontext needs FLUX.1-Kontext weights, not {path}: "
                          f"set model.path: {KONTEXT_PATH} (or a local copy of it)")
@@ -76,6 +75,8 @@ def _digest(image: torch.Tensor) -> tuple:
 
 
 class KontextPolicy(FluxPolicy):
+    default_path = KONTEXT_PATH  # the same transformer class as FLUX.1-dev, so the same LoRA targets
+
     @classmethod
     def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "KontextPolicy":
         """FluxPolicy's loading (the same component classes: a FluxTransformer2DModel with guidance

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from paco_ds.config import LoraConfig
+from paco_ds.errors import ConfigError
+from paco_ds.recipe import suggest
 
 ADAPTER = "default"
 
@@ -30,13 +32,20 @@ def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
             if "lora_" in name:
                 p.requires_grad_(True)
         return transformer
-    present = {name.split(".", 1)[-1] for name, _ in transformer.named_modules()}
-    targets = [t for t in cfg.target_modules if any(n.endswith(t) for n in present)]
-    if not targets:
-        raise ValueError(f"none of the LoRA target modules {cfg.target_modules} exist in the transformer")
+    if cfg.target_modules is None:
+        raise ValueError("model.lora.target_modules is unset: fill in the family's own first "
+                         "(paco_ds.models.with_family_defaults)")
+    names = [name for name, _ in transformer.named_modules() if name]
+    # A target that matches nothing would silently leave those layers untrained (another family's
+    # module names, a typo), so every configured target must match, by peft's rule.
+    for t in cfg.target_modules:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2, 3)}
+            raise ConfigError(f"config key 'model.lora.target_modules': '{t}' matches no module of the "
+                              f"{type(transformer).__name__}{suggest(t, suffixes)}")
     transformer.add_adapter(PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                            init_lora_weights=True if cfg.init == "default" else cfg.init,
-                                           target_modules=targets), adapter_name=ADAPTER)
+                                           target_modules=list(cfg.target_modules)), adapter_name=ADAPTER)
     return transformer
 
 

@@ -68,6 +68,15 @@ def _resize(image: torch.Tensor, height: int, width: int):
 
 
 class QwenEditPolicy(Policy):
+    default_path = DEFAULT_PATH
+    # Attention and MLP of both streams in Qwen-Image's own names: its MLPs are img_mlp/txt_mlp,
+    # so FLUX's ff/ff_context names would leave them without LoRA.
+    lora_targets = (
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, processor,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype):
         self.transformer = transformer
@@ -99,7 +108,7 @@ class QwenEditPolicy(Policy):
 
             parts = tiny_qwen_edit_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
         else:
-            parts = cls._from_pretrained(cfg.path or DEFAULT_PATH, cfg.revision, dtype, ds_config=ds_config)
+            parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
         if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
             _move(parts["transformer"], device, dtype)
         return cls(device=device, dtype=dtype, **parts)
