@@ -1,14 +1,22 @@
 """paco_ds: PaCo-RL (PaCo-GRPO + PaCo-Reward) on DeepSpeed."""
 from setuptools import find_packages, setup
 
+DATA = {  # data folder -> the files it ships
+    "paco_ds.data.prompts": ["*.jsonl"],  # the tiny T2IS prompts
+    "paco_ds.data.prompts.tiny_edit": ["*.jsonl"],  # the tiny editing set
+    "paco_ds.data.prompts.tiny_edit.images": ["*.png"],
+    "paco_ds.models.configs": ["*.json"],  # tiny model configs and tokenizer vocabularies
+}
+
 setup(
     name="paco_ds",
     version="0.1.0",
     description="GRPO for flow-matching image generators on consistency rewards, on DeepSpeed ZeRO-3",
     python_requires=">=3.10",
-    packages=find_packages(include=["paco_ds", "paco_ds.*", "kernels", "kernels.*"]),
-    package_data={"paco_ds": ["data/prompts/*.jsonl", "data/prompts/tiny_edit/*.jsonl",
-                           "data/prompts/tiny_edit/images/*.png", "models/configs/*.json"]},
+    # The data folders (no __init__.py) are listed as packages of their own, so setuptools installs
+    # their files as package data of those packages instead of warning that it would ignore them.
+    packages=find_packages(include=["paco_ds", "paco_ds.*", "kernels", "kernels.*"]) + list(DATA),
+    package_data=DATA,
     include_package_data=True,
     install_requires=[
         # Ranges, not pins: the GPU image has torch 2.11 / triton 3.6 / transformers 5.17,

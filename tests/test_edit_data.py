@@ -72,9 +72,22 @@ def test_tiny_edit_set_is_what_the_generator_draws(tmp_path):
                               np.asarray(Image.open(TINY / "images" / name))), name
 
 
-def test_tiny_edit_files_are_package_data():
-    setup = (REPO / "setup.py").read_text()
-    assert "data/prompts/tiny_edit/*.jsonl" in setup and "data/prompts/tiny_edit/images/*.png" in setup
+def test_tiny_edit_files_are_package_data(tmp_path):
+    """A build of the package carries every data file (tiny prompts, editing set, tiny model
+    configs), and setuptools warns about no data folder it would ignore."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "build"),
+                          "egg_info", "-e", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "would be ignored" not in out.stdout + out.stderr, out.stderr[-2000:]
+    data = {p.relative_to(REPO).as_posix() for folder in ("paco_ds/data/prompts", "paco_ds/models/configs")
+            for p in (REPO / folder).rglob("*") if p.suffix in (".jsonl", ".json", ".png")}
+    built = {p.relative_to(tmp_path / "build").as_posix() for p in (tmp_path / "build").rglob("*")
+             if p.suffix in (".jsonl", ".json", ".png")}
+    assert any(d.startswith("paco_ds/data/prompts/tiny_edit/images/") for d in data)
+    assert data <= built, sorted(data - built)
 
 
 # ------------------------------------------------------------------------------ grouping
