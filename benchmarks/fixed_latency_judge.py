@@ -31,7 +31,10 @@ def main(argv=None) -> None:
 
     cached = json.loads(open(args.response).read())
     parent = os.getppid()
-    served = {"requests": 0}
+    # What overlap rests on, for tests that must not depend on seconds: how many requests were at
+    # the judge at once (a trainer that waits for batch b's answers before sending batch b+1 never
+    # has more than one batch's requests here).
+    served = {"requests": 0, "in_flight": 0, "max_in_flight": 0}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -57,11 +60,21 @@ def main(argv=None) -> None:
     async def stats():
         return served
 
+    @app.post("/stats/reset")
+    async def reset_stats():
+        served.update(requests=0, max_in_flight=served["in_flight"])
+        return served
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         await request.body()
         served["requests"] += 1
-        await asyncio.sleep(args.latency)
+        served["in_flight"] += 1
+        served["max_in_flight"] = max(served["max_in_flight"], served["in_flight"])
+        try:
+            await asyncio.sleep(args.latency)
+        finally:
+            served["in_flight"] -= 1
         return {**cached, "id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": args.model}
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -88,12 +88,17 @@ def main(argv=None) -> int:
                                    train_steps=[t for t in cfg.train_timesteps if t < num_steps], generators=gens)
         return traj.images, prompts, [it.metadata for it in picks]
 
-    def measure(url: str, batches: int) -> dict[str, list[dict]]:
+    def measure(url: str, batches: int, judge_stats: str | None = None) -> dict[str, list[dict]]:
+        """`judge_stats`: the stand-in's /stats URL, read per epoch (requests at the judge at once)."""
+        import httpx
+
         spec = RewardSet(terms={"consistency_score": {"model": JUDGE, "base_url": url, "top_logprobs": 512}})
 
         def epoch(variant: str, rep: int) -> dict:
             runner = RewardRunner(spec, overlap=variant == "overlap",
                                   batches_in_flight=args.batches_in_flight) if variant != "none" else None
+            if judge_stats and runner is not None:
+                httpx.post(f"{judge_stats}/reset", timeout=10).raise_for_status()
             t0 = time.perf_counter()
             for b in range(batches):
                 batch = rollout(rep, b)
@@ -102,9 +107,15 @@ def main(argv=None) -> int:
             t_sample = time.perf_counter() - t0
             out = {"sample_s": t_sample}
             if runner is not None:
+                # Batches already scored when sampling ended: all of them in line; with overlap the
+                # last one at least is still at the judge (submit returned at once).
+                out["scored_when_sampling_ended"] = sum(all(f.done() for f in futures.values())
+                                                        for _, futures in runner.pending)
                 res = runner.collect()["consistency_score"]
                 out.update(busy_s=runner.busy_seconds, valid=int(res.valid.sum()),
                            requests=runner.rewards["consistency_score"].requests)
+                if judge_stats:
+                    out["judge_max_in_flight"] = httpx.get(judge_stats, timeout=10).json()["max_in_flight"]
                 runner.close()
             out["epoch_s"] = time.perf_counter() - t0
             return out
@@ -134,7 +145,8 @@ def main(argv=None) -> int:
         recorded = record_response(url, rollout(0, 0)[0])
     if "fixed" in args.judges:
         with fixed_latency_judge(recorded, args.latency) as url:
-            results["fixed"] = summary(measure(url, args.fixed_batches), args.fixed_batches)
+            stats = url.removesuffix("/v1") + "/stats"
+            results["fixed"] = summary(measure(url, args.fixed_batches, stats), args.fixed_batches)
             results["fixed"]["latency_s"] = args.latency
 
     labels = {"cpu": "the real tiny judge (hf engine) on the same 2 cores as the sampler",
