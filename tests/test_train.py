@@ -123,10 +123,9 @@ def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
         ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
                  if any(a.startswith("--local_rank=1") for a in p.cmdline())]
         assert len(ranks) == 1
-        killed_at = time.time()
         ranks[0].send_signal(signal.SIGKILL)
-        rc = launcher.wait(timeout=60)
-        assert rc != 0 and time.time() - killed_at < 60
+        rc = launcher.wait(timeout=60)  # a run that hung on the dead rank would time out here
+        assert rc != 0
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

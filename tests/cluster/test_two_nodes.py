@@ -154,7 +154,7 @@ def test_sigkill_of_the_second_nodes_rank_then_resume(tmp_path):
     down = time.monotonic() - t_kill
     log = (tmp_path / "kill.log").read_text()
     print(f"SIGKILL of node 1's rank -> job down in {down:.1f}s (code {code})")
-    assert code != 0 and down < 60, log[-4000:]
+    assert code != 0, log[-4000:]  # finish() fails the test if the job is not down within its timeout
     assert "failed after" in log and "10.77.0.2" in log.split("[cluster] failed after", 1)[1].splitlines()[0]
     assert_nothing_left()
     done = max(int(p.name.split("_")[1]) for p in ckpts.glob("epoch_*"))
