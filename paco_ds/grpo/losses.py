@@ -17,6 +17,8 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
   weighted by the optimality probability r from the advantage. No SDE log-prob anywhere (the
   rollout is an ODE unless the recipe says otherwise); two forwards per trained sample and step
   (old without grad, current with grad), a third (adapter disabled) only when `train.beta > 0`.
+- `awm` (Advantage Weighted Matching, arXiv 2509.25050), in paco_ds/grpo/awm.py: flow matching on
+  the clean final latents at K drawn noise levels, its error weighted by the advantage.
 """
 from __future__ import annotations
 
@@ -178,10 +180,10 @@ class OldPolicy(ShadowWeights):
     """The old (data-collection) adapter as fp32 copies of this rank's shards of the trainable
     parameters, swapped in for the rollout and the old velocity."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], what: str = "train.loss=nft"):
         persistent = [tuple(p.ds_shape) for p in params if getattr(p, "ds_persist", False)]
         if persistent:  # ZeRO-3 keeps these gathered: swapping the shard would not reach the forward
-            raise ValueError(f"train.loss=nft: {len(persistent)} trainable parameters (e.g. {persistent[0]}) are below "
+            raise ValueError(f"{what}: {len(persistent)} trainable parameters (e.g. {persistent[0]}) are below "
                              "zero_optimization.stage3_param_persistence_threshold; lower it below the LoRA sizes")
         super().__init__(params)
 
@@ -293,6 +295,7 @@ class NFT(Loss):
 
 
 LOSSES: dict[str, type[Loss]] = {PPOClip.name: PPOClip, NFT.name: NFT}
+import paco_ds.grpo.awm  # noqa: E402,F401  AWM (its own file, built on the classes above) adds itself to LOSSES
 
 
 def build_loss(cfg: Config, policy: Policy) -> Loss:
