@@ -9,8 +9,9 @@ the same LoRA) of a reduced-depth, full-width FLUX (`paco_ds.models.tiny.save_fl
                 batch is scored while the next one samples), `transition_log_prob` (one transformer
                 forward with grad per trained step at beta = 0, on the cached text embeddings) and
                 `kernels.ppo_clip_loss`.
-  (b) reference PaCo-GRPO's `train_flux.py` schedule, re-created below from REFERENCE.md
-                §1.4, §1.5 and §12.15-12.20 (each choice names its section): sampling with an `old`
+  (b) reference PaCo-GRPO's `train_flux.py` schedule, re-created below from
+                PaCo-RL/PaCo-GRPO/scripts/train_flux.py (github.com/X-GenGroup/PaCo-RL at 08caac6;
+                each choice names its lines there as `:N`): sampling with an `old`
                 adapter that keeps all N+1 latents, the pipeline's VAE decode whose images are
                 dropped, a second decode in reward_compute with synchronous scoring after all
                 sampling, and per trained step three transformer forwards (default with grad, old
@@ -42,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, RESULTS, machine, write_report  # noqa: E402  (puts the repository on sys.path)
 
 MODEL_DIR = REPO / "runs" / "grpo_vs_reference" / "flux_reduced"  # git-ignored; written once
-GUIDANCE, NOISE_LEVEL, NOISE_STEPS = 3.5, 0.7, [1]  # REFERENCE.md §2.2-2.3 (t2is)
-CLIP_RANGE, ADV_CLIP, BETA = 1e-4, 5.0, 0.0  # §1.5
-LR, BETAS, WD, EPS, MAX_GRAD_NORM = 3e-4, (0.9, 0.999), 1e-4, 1e-8, 1.0  # §1.6
-OPT_STEPS_PER_EPOCH = 2  # §1.3: gradient_step_per_epoch = 2
+GUIDANCE, NOISE_LEVEL, NOISE_STEPS = 3.5, 0.7, [1]  # PaCo-RL/PaCo-GRPO/config/grpo.py, t2is
+CLIP_RANGE, ADV_CLIP, BETA = 1e-4, 5.0, 0.0  # compute_ppo_loss (:157-244), config/base.py
+LR, BETAS, WD, EPS, MAX_GRAD_NORM = 3e-4, (0.9, 0.999), 1e-4, 1e-8, 1.0  # AdamW (:959-978)
+OPT_STEPS_PER_EPOCH = 2  # config/grpo.py: gradient_step_per_epoch = 2
 REWARD = "jpeg_compressibility"  # a local reward, the same object type for both paths
-REWARD_BATCH_SIZE = 4  # §1.4.5: sample.reward_batch_size = min(4 * batch_size, 8)
+REWARD_BATCH_SIZE = 4  # config/grpo.py: sample.reward_batch_size = min(4 * batch_size, 8)
 
 PROMPTS = ["a red fox in fresh snow, watercolor", "a lighthouse on a cliff at dusk, oil painting",
            "a bowl of ramen on a wooden table, photo", "a robot reading a book in a library, pixel art",
@@ -64,11 +65,12 @@ SIMPLIFICATIONS = [
     "diffusers' FluxPipeline",
     "the same dtype in both (bf16 weights on cuda, fp32 on CPU) instead of accelerate's autocast",
     "the same optimizer in both: torch AdamW, gradient clipping 1.0 applied in both (under DeepSpeed the "
-    "reference's clip is probably inactive, §1.6)",
-    "the same local reward (jpeg_compressibility) in both, so §12.16 (the consistency reward's repeated "
-    "requests) and §12.23 (sequential reward models) do not show; a remote judge would widen the gap",
+    "reference's clip is probably inactive: its accelerate config sets no gradient_clipping)",
+    "the same local reward (jpeg_compressibility) in both, so the consistency reward's repeated "
+    "requests (one per criterion) and the sequential reward models (multi_score) do not show; a remote judge "
+    "would widen the gap",
     "the same tiny text encoders (one thin CLIP and T5 layer): re-encoding costs far less here than with "
-    "T5-XXL, so §12.17 is understated",
+    "T5-XXL, so the cost of re-encoding in compute_log_prob is understated",
     "no EMA, no eval, no checkpoint, no W&B image logging in either path",
     "the same initial latents and noise in both (the reference uses the global RNG)",
 ]
@@ -134,7 +136,7 @@ def load_policy(args, device):
         from paco_ds.models.tiny import save_flux_folder
 
         cfg = ModelConfig(path=str(save_flux_folder(args.model_dir)), max_sequence_length=args.max_sequence_length)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # §1.6 (and model.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # :956-957 (and model.allow_tf32)
     policy = FluxPolicy.load(cfg, device)
     # r=64, alpha=128, gaussian init, and PaCo-RL's targets for FLUX (scripts/train_flux.py, its LoRA set-up)
     add_lora(policy.transformer, LoraConfig(target_modules=list(FluxPolicy.lora_targets)))
@@ -142,7 +144,7 @@ def load_policy(args, device):
 
 
 def add_old_adapter(transformer):
-    """§1.2: a second adapter `old` with the same config, holding a copy of `default`."""
+    """A second adapter `old` with the same config, holding a copy of `default` (LoRA set-up, :740-847)."""
     with warnings.catch_warnings():  # "multiple adapters in the model": intended here
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
         transformer.add_adapter(copy.deepcopy(transformer.peft_config["default"]), adapter_name="old")
@@ -151,7 +153,7 @@ def add_old_adapter(transformer):
 
 
 def sync_old(transformer):
-    """§1.4.9: old <- d * old + (1 - d) * default with d = 0 (a hard copy, decay_type 0)."""
+    """The old-policy sync (:1481-1488): old <- d * old + (1 - d) * default with d = 0 (a hard copy, decay_type 0)."""
     import torch
 
     params = dict(transformer.named_parameters())
@@ -268,19 +270,20 @@ def epoch_paco(ctx, rep: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- (b)
 def ref_compute_log_prob(policy, module, sample: dict, j: int, sde):
-    """§2.4 compute_log_prob: the prompt is re-encoded with CLIP and T5 on every call (§12.17),
+    """compute_log_prob (paco_grpo/diffusers_patch/flux_pipeline.py:58-148): the prompt is re-encoded
+    with CLIP and T5 on every call (:94-99 there),
     although the sample stores prompt_embeds; then one transformer forward and the SDE step
     scored at the stored x_{j+1}, returning (log_prob, mean, std) (the mean for the KL term)."""
-    embeds = policy.encode_prompts(sample["prompt"])  # §2.4 / §12.17
+    embeds = policy.encode_prompts(sample["prompt"])  # re-encoded, as compute_log_prob does
     x = sample["all_latents"][:, j]
-    sigmas = sample["sigmas"]  # §2.3: the scheduler's timesteps are rebuilt from L (a few scalars)
+    sigmas = sample["sigmas"]  # the scheduler's timesteps are rebuilt from L (a few scalars)
     v = policy.velocity(module, x, sigmas[j], embeds, sample["height"], sample["width"], GUIDANCE)
     return sde(x, v, sigmas[j].item(), sigmas[j + 1].item(), NOISE_LEVEL, sigmas[1].item(),
                prev_sample=sample["all_latents"][:, j + 1])
 
 
 def ref_stat_tracker(prompts: list[str], rewards, global_std: bool = True):
-    """§5 PerPromptStatTracker.compute_advantages(type='grpo'): group by exact prompt string,
+    """PerPromptStatTracker.compute_advantages (paco_grpo/stat_tracking.py)(type='grpo'): group by exact prompt string,
     (R - mean_p) / max(std, 1e-6) with the batch std when global_std (t2is)."""
     import numpy as np
 
@@ -294,7 +297,7 @@ def ref_stat_tracker(prompts: list[str], rewards, global_std: bool = True):
 
 
 def epoch_reference(ctx, rep: int) -> dict:
-    """The reference's epoch (train_flux.py:1137-1488 as REFERENCE.md §1.4 describes it)."""
+    """The reference's epoch (train_flux.py:1137-1488)."""
     import numpy as np
     import torch
 
@@ -303,11 +306,12 @@ def epoch_reference(ctx, rep: int) -> dict:
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_b"]
     module = policy.transformer
-    sde = partial(kernels.sde_step, backend=args.backend)  # always returns the mean: §1.5 computes the KL term
+    # always returns the mean: compute_ppo_loss computes the KL term
+    sde = partial(kernels.sde_step, backend=args.backend)
     h, w, dev = ctx["h"], ctx["w"], policy.device
     times = {}
     t0, c0 = clock.now(), time.process_time()
-    # §1.4.3 sampling: eval mode, the `old` adapter (:1144), one pipeline call per batch.
+    # sampling (:1137-1250): eval mode, the `old` adapter (:1144), one pipeline call per batch.
     module.eval()
     module.set_adapter("old")
     samples = []
@@ -316,33 +320,33 @@ def epoch_reference(ctx, rep: int) -> dict:
         for b0 in range(0, len(ctx["picks"]), args.batch_size):
             picks = ctx["picks"][b0:b0 + args.batch_size]
             prompts = [p for p, _, _ in picks]
-            # §1.4.3: prompt_ids from the T5 tokenizer at max_sequence_length (kept to regroup prompts later)
+            # prompt_ids from the T5 tokenizer at max_sequence_length, kept to regroup prompts later (:1154-1160)
             prompt_ids = policy.tokenizer_2(prompts, padding="max_length", max_length=policy.max_sequence_length,
                                             truncation=True, return_tensors="pt").input_ids
             lat_gens, noise_gens = generators(rep, [pos for _, _, pos in picks])
             x = policy.initial_latents(len(picks), h, w, lat_gens)
             embeds = policy.encode_prompts(prompts)  # the pipeline's encode_prompt, once per call
-            all_latents = [x]  # §12.20: all N+1 latents kept on the device for every sample
+            all_latents = [x]  # all N+1 latents kept on the device for every sample
             for i in range(args.steps):
                 v = policy.velocity(module, x, torch.full((len(picks),), sigmas[i].item()), embeds, h, w, GUIDANCE)
-                level = NOISE_LEVEL if i in NOISE_STEPS else 0.0  # §2.2: SDE only at the noise steps
+                level = NOISE_LEVEL if i in NOISE_STEPS else 0.0  # SDE only at the noise steps (paco_grpo/scheduler.py)
                 noise = None
                 if level > 0:
                     noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in noise_gens]).to(dev)
                 x = sde(x, v, sigmas[i].item(), sigmas[i + 1].item(), level, sigmas[1].item(),
                         noise=noise).prev_sample.to(x.dtype)
                 all_latents.append(x)
-            # §12.19: the pipeline decodes and post-processes to PIL; the trainer drops these images
+            # the pipeline decodes and post-processes to PIL; the trainer drops these images
             to_pil(policy.decode(x, h, w))
             all_latents = torch.stack(all_latents, dim=1)
-            for k, (prompt, _, _) in enumerate(picks):  # §1.4.3: one dict per image (:1229-1244)
+            for k, (prompt, _, _) in enumerate(picks):  # one dict per image (:1229-1244)
                 samples.append({"prompt": [prompt], "prompt_ids": prompt_ids[[k]], "height": h, "width": w,
                                 "prompt_embeds": embeds.prompt_embeds[[k]].cpu(), "pooled": embeds.pooled[[k]].cpu(),
                                 "all_latents": all_latents[[k]], "sigmas": sigmas, "metadata": {}})
-    module.set_adapter("default")  # §1.4.4 (:1250)
+    module.set_adapter("default")  # :1250
     t1 = clock.now()
     times["sample_s"] = t1 - t0
-    # §1.4.5 / §12.15 / §12.19: reward_compute after all sampling, in chunks of reward_batch_size; each
+    # reward_compute (:76-153, called at :1252) after all sampling, in chunks of reward_batch_size; each
     # chunk's last latents are decoded again and scored synchronously (submit then .result()).
     scores = []
     with counters.counting("b/reward"), torch.no_grad():
@@ -354,7 +358,8 @@ def epoch_reference(ctx, rep: int) -> dict:
             scores.append(res[REWARD].scores)
     t2 = clock.now()
     times["reward_wait_s"] = t2 - t1
-    # §1.4.6 gather: one process. §1.4.7: prompt ids decoded back to strings, per-prompt GRPO advantages.
+    # gather (:1265-1273): one process. Then prompt ids decoded back to strings, per-prompt GRPO
+    # advantages (:1292-1302).
     ids = torch.cat([s["prompt_ids"] for s in samples])
     prompts = policy.tokenizer_2.batch_decode(ids, skip_special_tokens=True)
     advantages = torch.as_tensor(ref_stat_tracker(prompts, np.concatenate(scores)), dtype=torch.float32)
@@ -363,11 +368,11 @@ def epoch_reference(ctx, rep: int) -> dict:
         del s["prompt_ids"]
     t3 = clock.now()
     times["advantage_s"] = t3 - t2
-    # §1.4.8 training: train mode, shuffled, batch size 1; per sample and trained step, compute_ppo_loss.
+    # training (:1362-1479): train mode, shuffled, batch size 1; per sample and trained step, compute_ppo_loss.
     module.train()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(rep)).tolist()
     micro = len(samples) * len(NOISE_STEPS)
-    ga = micro // OPT_STEPS_PER_EPOCH  # §1.6: accumulation over (sample, timestep) micro-steps
+    ga = micro // OPT_STEPS_PER_EPOCH  # accumulation over (sample, timestep) micro-steps (:875-882)
     k = 0
     with counters.counting("b/train"):
         for idx in order:
@@ -375,14 +380,14 @@ def epoch_reference(ctx, rep: int) -> dict:
             batch = {**s, "all_latents": torch.cat([s["all_latents"]]),  # re-batching (:1377-1398)
                      "advantages": torch.cat([s["advantages"]]).to(dev)}
             for j in NOISE_STEPS:
-                # §1.5: log pi_theta from `default` with grad (:169-176) ...
+                # compute_ppo_loss: log pi_theta from `default` with grad (:169-176) ...
                 cur = ref_compute_log_prob(policy, module, batch, j, sde)
                 # ... log pi_old recomputed with the `old` adapter under no_grad (:177-185) ...
                 with torch.no_grad():
                     module.set_adapter("old")
                     old = ref_compute_log_prob(policy, module, batch, j, sde)
                     module.set_adapter("default")
-                    # ... and mu_ref from the base model, adapters disabled (:186-193): 3 forwards at beta = 0 (§12.18)
+                    # ... and mu_ref from the base model, adapters disabled (:186-193): 3 forwards at beta = 0
                     with policy.adapter_disabled(module):
                         ref = ref_compute_log_prob(policy, module, batch, j, sde)
                 policy_loss, _ = kernels.ppo_clip_loss(cur.log_prob, old.log_prob, batch["advantages"], CLIP_RANGE,
@@ -393,7 +398,7 @@ def epoch_reference(ctx, rep: int) -> dict:
                 k += 1
                 if k % ga == 0:  # sync_gradients (:1449-1455)
                     clip_and_step(ctx["params"], ctx["opt_b"])
-    sync_old(module)  # §1.4.9
+    sync_old(module)  # :1481-1488
     t4 = clock.now()
     times["train_s"] = t4 - t3
     times["epoch_s"] = t4 - t0
@@ -516,7 +521,7 @@ def main(argv=None) -> int:
     spec = RewardSet(terms={REWARD: {}})
     ctx = {"policy": policy, "args": args, "clock": Clock(device), "counters": Counters(policy), "params": params,
            "h": args.resolution, "w": args.resolution, "picks": make_batch(args),
-           # both: torch AdamW on the `default` adapter (§1.6); one optimizer per path, kept across repeats
+           # both: torch AdamW on the `default` adapter (:959-978); one optimizer per path, kept across repeats
            "opt_a": torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS),
            "opt_b": torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS),
            "runner_a": RewardRunner(spec, overlap=True), "runner_b": RewardRunner(spec, overlap=False)}

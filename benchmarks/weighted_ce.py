@@ -2,8 +2,9 @@
 
     python benchmarks/weighted_ce.py            # 4096 tokens, vocabulary 152,064, hidden 256, fp32 (CPU)
 
-Both variants compute the loss of REFERENCE.md §9.3 (alpha 0.1) and its gradient with respect to
-the hidden states (the LM head is frozen in LoRA SFT), forward + backward:
+Both variants compute PaCo-Reward's first_token_weight loss (alpha 0.1;
+PaCo-RL/PaCo-Reward/LLaMA-Factory/src/llamafactory/train/sft/trainer.py:122-175) and its gradient
+with respect to the hidden states (the LM head is frozen in LoRA SFT), forward + backward:
   naive  logits = h W^T materialised [tokens, vocab], then paco_ds.sft.loss.naive_weighted_ce (the
          reference's computation: fp32 cross-entropy, weights, sum / valid tokens), autograd;
   fused  paco_ds.sft.loss.sft_loss through kernels.weighted_linear_ce (chunks of rows; Triton

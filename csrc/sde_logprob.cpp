@@ -1,4 +1,6 @@
-// Fused SDE transition log-prob and KL surrogate on CPU tensors (REFERENCE.md §2.1, §1.5).
+// Fused SDE transition log-prob and KL surrogate on CPU tensors (the SDE step and log-prob of
+// PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/sde_denoising_step.py; the KL term of compute_ppo_loss
+// in PaCo-RL/PaCo-GRPO/scripts/train_flux.py).
 //
 // One pass over x_t, v and x_{t+1} (or the noise, when sampling) gives the per-sample log-prob
 // without any fp32 copy of the latents: elements are widened to fp32 in registers, and the sum of
@@ -73,7 +75,7 @@ struct Row {  // per-sample coefficients of the transition (see the comment at t
   float cx, cv, sd, k1, k0, std_t;
 };
 
-// REFERENCE.md §2.1. sig = (sigma, sigma_next, sigma_max) of one sample; N = elements per sample.
+// The step of sde_denoising_step.py. sig = (sigma, sigma_next, sigma_max) of one sample; N = elements per sample.
 // Flow-GRPO: k1 = 1 / (2 N sd^2) and k0 = log(sd) + log(sqrt(2 pi)) make log_prob the mean of the
 // elementwise Gaussian log-density; CPS: k1 = 1 / N, k0 = 0 (the unnormalised -mean((x' - mean)^2)).
 Row coefficients(const float* sig, double a, int64_t sde_type, int64_t N) {

@@ -397,8 +397,9 @@ class Config(Recipe):
         if self.train.loss == "awm" and self.train.awm.timestep_sampling != "fixed":
             return list(range(self.train.awm.num_timesteps))  # AWM's K slots, each draws its level per visit
         # The reference bound train.timesteps to noise_steps before editing configs changed them
-        # (REFERENCE.md §12.3); here the default is read at use time. With an SDE window: the
-        # window at its first position (each epoch or group draws where it lies; its size is what counts).
+        # (PaCo-RL/PaCo-GRPO/config/grpo.py, qwen_editing); here the default is read at use time. With
+        # an SDE window: the window at its first position (each epoch or group draws where it lies; its
+        # size is what counts).
         if self.sample.sde_window is not None:
             lo = self.sample.sde_window.range[0]
             return list(range(lo, lo + self.sample.sde_window.size))

@@ -1,7 +1,7 @@
 """Process-group set-up and the few collectives the trainers use.
 
 Works under the deepspeed launcher, torchrun, or a plain `python` (a world of one). On a machine
-without CUDA it applies what was measured on CPU (ENVIRONMENT.md): the CPU accelerator, gloo, and
+without CUDA it applies what was measured on CPU: the CPU accelerator, gloo, and
 no JIT-compiled shared-memory comm op (which takes a minute to build on first use).
 """
 from __future__ import annotations

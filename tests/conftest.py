@@ -22,7 +22,8 @@ TINY = REPO / "configs" / "tiny" / "t2is.yaml"
 
 
 def shared_file(*parts: str) -> Path:
-    """A file of ../shared/data; the test is skipped when that folder is absent."""
+    """A data file of the reference (its T2IS prompt metadata, PickScore test prompts) from a copy
+    beside the repository (SHARED_DATA); the test is skipped when it is absent."""
     p = SHARED_DATA.joinpath(*parts)
     if not p.exists():
         pytest.skip(f"{p} not present")

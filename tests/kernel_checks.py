@@ -27,7 +27,9 @@ def inputs(shape, dtype, seed: int, device="cpu"):
 
 
 def sde_ref64(x, v, sigma, sigma_next, a, sigma_max, sde_type, prev=None, noise=None):
-    """(prev, log_prob, mean, std_t) of REFERENCE.md §2.1, all float64, differentiable in x and v.
+    """(prev, log_prob, mean, std_t) of
+    PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/sde_denoising_step.py, all float64, differentiable in x
+    and v.
 
     With `noise`, prev = mean + std * noise in float64 (the caller rounds it as it needs).
     """

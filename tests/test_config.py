@@ -161,8 +161,9 @@ def test_error_bad_yaml_names_the_line(tmp_path):
 
 
 def test_schema_has_every_reference_field_group():
-    # REFERENCE.md §7: model, data, sample, train, test, rewards (train/test, weights, kwargs,
-    # aggregation), deepspeed, logging, checkpoint, kernels.backend.
+    # The reference's config groups (PaCo-RL/PaCo-GRPO/config/base.py): model, data, sample, train,
+    # test, rewards (train/test, weights, kwargs, aggregation), deepspeed, logging, checkpoint,
+    # kernels.backend.
     fields = set(Config.model_fields)
     assert {"model", "data", "sample", "train", "test", "rewards", "advantage", "deepspeed", "logging",
             "checkpoint", "kernels", "seed", "run_name"} <= fields

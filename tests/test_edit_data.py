@@ -150,7 +150,8 @@ def test_jsonl_errors_name_the_line(tmp_path, row, msg):
 
 
 def test_reference_layout_ref_image_key_is_read(tmp_path):
-    """The reference's ShareGPT-4o-Image preprocessing writes `ref_image` (REFERENCE.md §12.10)."""
+    """The reference's ShareGPT-4o-Image preprocessing writes `ref_image`
+    (PaCo-RL/PaCo-GRPO/dataset/ShareGPT-4o-Image/preprocess.py)."""
     (tmp_path / "a.png").write_bytes(_png())
     f = _jsonl(tmp_path / "test_metadata.jsonl", [{"prompt": "p", "ref_image": "a.png"}])
     assert load_prompts(f, "edit")[0].image == str((tmp_path / "a.png").resolve())

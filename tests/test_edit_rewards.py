@@ -1,4 +1,4 @@
-"""The editing rewards: edit_score (REFERENCE.md §4.6, the rubric's image order, unparsable replies
+"""The editing rewards: edit_score (PaCo-RL's EditScore.py reward, the rubric's image order, unparsable replies
 fail rather than score 0) against the tiny judge on loopback and a scripted one, and the local
 clip_i (reference vs edit)."""
 import base64

@@ -194,7 +194,8 @@ def test_schedule_uses_the_target_length(policy):
     traj = rollout(policy, cond, h, w, seeds=[0], steps=8)
     sig = flux_sigmas(8, L, policy.shift)
     assert torch.equal(traj.sigma[0], sig[[1]]) and torch.equal(traj.sigma_max[0], sig[1])
-    # REFERENCE.md §2.3's worked Kontext numbers: 384x384 (L = 576), 8 steps: sigma_1 .9241, sigma_2 .8393.
+    # The shifted schedule worked out for Kontext's recipe size: 384x384 (L = 576), 8 steps: sigma_1
+    # .9241, sigma_2 .8393.
     s = policy.sigmas(8, 384, 384)
     assert s[1].item() == pytest.approx(0.9241, abs=1e-4) and s[2].item() == pytest.approx(0.8393, abs=1e-4)
 

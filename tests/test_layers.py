@@ -1,5 +1,5 @@
-"""The import graph of the library: no cycles (lazy imports included) and the layering DESIGN.md
-asks for (the recipe schema at the bottom, kernels depending on nothing in paco_ds)."""
+"""The import graph of the library: no cycles (lazy imports included) and the layering docs/design.md
+describes (the recipe schema at the bottom, kernels depending on nothing in paco_ds)."""
 import ast
 from pathlib import Path
 

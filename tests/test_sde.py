@@ -1,4 +1,5 @@
-"""The FLUX schedule (golden numbers of REFERENCE.md §2.3) and the SDE step with log-probs."""
+"""The FLUX schedule (golden numbers: diffusers' time shift with FLUX.1-dev's scheduler config, as
+PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/flux_pipeline.py applies it) and the SDE step with log-probs."""
 import math
 
 import pytest

@@ -12,7 +12,7 @@ TINY = REPO / "configs" / "tiny" / "reward_sft.yaml"
 
 
 def test_recipe_has_the_reference_values():
-    # REFERENCE.md §9.1
+    # PaCo-RL/PaCo-Reward/config/paco_reward_lora.yaml
     c = load_sft_config(RECIPE)
     assert c.model.path == "Qwen/Qwen2.5-VL-7B-Instruct" and c.model.dtype == "bf16"
     assert c.model.image_max_pixels == 2 * 1024**2

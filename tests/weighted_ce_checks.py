@@ -25,7 +25,9 @@ def make_case(spans: list[tuple[int, int]], t: int, h: int, v: int, dtype, seed:
 
 
 def loss64(hidden, weight, labels, alpha, mode="exact"):
-    """The formula of REFERENCE.md §9.3 written out per sequence and token, in float64."""
+    """The first_token_weight formula
+    (PaCo-RL/PaCo-Reward/LLaMA-Factory/src/llamafactory/train/sft/trainer.py) written out per sequence
+    and token, in float64."""
     logits = hidden.double() @ weight.double().t()
     total = torch.zeros((), dtype=torch.float64)
     n_all = 0

@@ -3,7 +3,7 @@
 Layouts, told apart by the file name:
   * `{split}_metadata.jsonl` (PaCo-RL `general_editing`): `prompt`, and `image`, a path relative
     to the file's folder. The reference's ShareGPT-4o-Image preprocessing writes `ref_image`
-    instead (REFERENCE.md §12.10); that key is read when `image` is absent.
+    instead (PaCo-RL/PaCo-GRPO/dataset/ShareGPT-4o-Image/preprocess.py); that key is read when `image` is absent.
   * any other `*.jsonl`, e.g. `{split}.jsonl` (Flow-Factory): `prompt`; `image` as a path or a
     list of paths (or `images`, a list); optional `negative_prompt` (kept in the metadata). A
     relative path is looked up under `{folder}/images` (Flow-Factory's default image root), then

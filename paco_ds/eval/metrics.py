@@ -1,10 +1,10 @@
 """Metrics of the two reward-model benchmarks, as the reference computes them and as they should be.
 
-ConsistencyRank (REFERENCE.md §10.1). Per item the judge scores each candidate against the
-reference image; `pred_rank` lists candidate indices best first, `gt_rank` is the annotated
-best-first list. The reference applies `scipy.stats.kendalltau` / `spearmanr` to these two
-*index-order lists*, which correlates the permutations as sequences (position p holds candidate
-c), not the rank each candidate got. Both forms are reported here:
+ConsistencyRank (PaCo-RL/PaCo-Reward/evaluation/Consistency_Rank/eval_vllm.py). Per item the judge
+scores each candidate against the reference image; `pred_rank` lists candidate indices best first,
+`gt_rank` is the annotated best-first list. The reference applies `scipy.stats.kendalltau` / `spearmanr`
+to these two *index-order lists*, which correlates the permutations as sequences (position p holds
+candidate c), not the rank each candidate got. Both forms are reported here:
 
 - `kendalltau` / `spearmanr`: the reference's form, on (pred_rank, gt_rank); reproduces its tables.
 - `kendalltau_ranks` / `spearmanr_ranks`: the correct form, between the judge's scores and the
@@ -16,11 +16,11 @@ a stable sort) and the number of items with a tie is reported: a tied judge is t
 rewarded nor penalised by chance from one run to the next. A score of NaN (the judge answered
 neither Yes nor No) sorts last.
 
-EditReward-Bench (§10.2, `calculate_statistics.py`). Each record compares two outputs (the human-
-preferred one first) on one dimension (prompt_following, consistency or overall); accuracy per
-(task type, dimension) is strict (s0 > s1) or geq (s0 >= s1); the `average` is the macro mean
-over task types; the four group means average task types. A task type without records for a
-dimension is NaN and left out of the means (the reference would crash on the missing file).
+EditReward-Bench (PaCo-RL/PaCo-Reward/evaluation/Edit-Bench/calculate_statistics.py). Each record
+compares two outputs (the human-preferred one first) on one dimension (prompt_following, consistency or
+overall); accuracy per (task type, dimension) is strict (s0 > s1) or geq (s0 >= s1); the `average` is
+the macro mean over task types; the four group means average task types. A task type without records for
+a dimension is NaN and left out of the means (the reference would crash on the missing file).
 """
 from __future__ import annotations
 

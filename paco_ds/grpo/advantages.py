@@ -3,7 +3,7 @@
 Steps: drop masked samples (a failed reward is never a 0) -> aggregate the rewards (see
 rewards/aggregate.py) -> rank transform for rank-GRPO -> normalise within each prompt group
 (global or per-group std, floored) -> clip. Groups are identified by the prompt's dataset index,
-not by a decoded string (REFERENCE.md §12.13).
+not by a decoded string (the reference decodes T5 ids back to text, PaCo-RL/PaCo-GRPO/scripts/train_flux.py).
 
 Two paths compute the same advantages in fp64:
   kernel  `kernels.grpo_advantages` on the trainer's device (one Triton launch on GPU, torch on

@@ -1,9 +1,9 @@
 """EMA of the trainable (LoRA) parameters, stepped once per optimizer step.
 
-The reference stepped its EMA after every micro-batch, so with large accumulation it became a
-periodic snapshot (REFERENCE.md §1.7). Here `step(global_step)` is called only after an optimizer
-step; every `update_interval` optimizer steps, ema <- d*ema + (1-d)*theta with
-d = min((1+s)/(10+s), decay). Under ZeRO-3 the EMA holds this rank's shard only (`ds_tensor`),
+The reference stepped its EMA after every micro-batch, so with large accumulation it became a periodic
+snapshot (PaCo-RL/PaCo-GRPO/scripts/train_flux.py, its epoch loop). Here `step(global_step)` is called
+only after an optimizer step; every `update_interval` optimizer steps, ema <- d*ema + (1-d)*theta
+with d = min((1+s)/(10+s), decay). Under ZeRO-3 the EMA holds this rank's shard only (`ds_tensor`),
 in fp32, so it costs 1/world of the adapter's memory.
 """
 from __future__ import annotations

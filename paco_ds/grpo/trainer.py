@@ -1,6 +1,6 @@
 """PaCo-GRPO on a DeepSpeed engine: the main job.
 
-One epoch, top to bottom (DESIGN.md):
+One epoch, top to bottom (docs/design.md):
   1. sample   m prompts x k images with the pre-update weights; ODE steps except the noise steps,
               which use the SDE and record log pi_old. Each finished batch goes to the reward
               workers at once, so scoring overlaps sampling.

@@ -4,18 +4,18 @@ Everything FLUX has (CLIP + T5 text, packed 2x2 latents, guidance embedding, VAE
 loading) comes from `FluxPolicy`; what Kontext adds (diffusers' pipeline_flux_kontext.py) is:
 
 - `encode_condition`: each reference image is resized to the target size (which keeps the
-  reference's aspect ratio, `Policy.target_size`; the reference implementation squashes it to a
-  square, REFERENCE.md §12.12), VAE-encoded once (the mode of the latent distribution, then
-  `(z - shift) * scale`) and packed like the target latents. The Condition keeps the original
-  images for the rewards and the packed latents for every forward.
+  reference's aspect ratio, `Policy.target_size`; the reference implementation squashes it to a square,
+  PaCo-RL/PaCo-GRPO/scripts/train_flux_kontext.py), VAE-encoded once (the mode of the latent
+  distribution, then `(z - shift) * scale`) and packed like the target latents. The Condition keeps the
+  original images for the rewards and the packed latents for every forward.
 - `velocity`: the condition tokens are concatenated after the noisy ones on the sequence axis, with
   their own image ids (`ids[..., 0] = 1`); one transformer forward; the prediction is cut back to
   the target tokens, so the SDE step and its log-prob see the target only.
 - The schedule's shift uses the target's token count (`latent_seq_len` is FluxPolicy's).
 
 The checkpoint must be FLUX.1-Kontext-dev: the reference's Kontext recipe loads FLUX.1-dev
-(REFERENCE.md §12.1), which runs without error and silently trains the wrong model, so `load`
-refuses known non-Kontext checkpoints.
+(PaCo-RL/PaCo-GRPO/config/grpo.py, kontext_editing), which runs without error and silently trains the
+wrong model, so `load` refuses known non-Kontext checkpoints.
 """
 from __future__ import annotations
 

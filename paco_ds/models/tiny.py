@@ -159,8 +159,9 @@ def tiny_clip_model(seed: int = 0):
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
-# The qwen2_vl conversation format (REFERENCE.md §9.4): a default system turn, images as
-# <|vision_start|><|image_pad|><|vision_end|> in place, text parts verbatim.
+# The qwen2_vl conversation format (LLaMA-Factory's qwen2_vl template, as PaCo-Reward trains with): a
+# default system turn, images as <|vision_start|><|image_pad|><|vision_end|> in place, text parts
+# verbatim.
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"

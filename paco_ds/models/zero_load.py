@@ -85,7 +85,7 @@ def zero3_construct(ds_config: dict, dtype: torch.dtype) -> Iterator[None]:
     zero.Init also swaps `torch.nn.functional.linear` for DeepSpeed's ZeRO-3 linear for the rest of
     the process (its default); `deepspeed.initialize` does the same to a model built whole, so the
     forward computes the same either way."""
-    import transformers  # noqa: F401  (before zero.Init: see ENVIRONMENT.md)
+    import transformers  # noqa: F401  (imported first: importing it inside zero.Init fails with a signature mismatch)
     import deepspeed
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

@@ -1,8 +1,9 @@
 """Multi-reward aggregation: several per-sample rewards -> one value per sample.
 
-Built-ins (REFERENCE.md §5): weighted_sum (default), geometric_mean, harmonic_mean,
-log_tame(threshold), weighted_advantage_sum(global_std); or any "module:function" with the
-signature fn(rewards: dict[str, ndarray], weights: dict[str, float], group_ids: ndarray) -> ndarray.
+Built-ins (PaCo-RL/PaCo-GRPO/config/grpo.py's aggregate functions): weighted_sum (default),
+geometric_mean, harmonic_mean, log_tame(threshold), weighted_advantage_sum(global_std); or any
+"module:function" with the signature fn(rewards: dict[str, ndarray], weights: dict[str, float],
+group_ids: ndarray) -> ndarray.
 
 All but weighted_advantage_sum return an aggregated *reward* that the GRPO step then normalises
 per prompt group; the reference used those outputs directly as advantages (uncentred, often all

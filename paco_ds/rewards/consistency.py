@@ -1,16 +1,16 @@
 """The remote consistency rewards: a VLM judge's P(Yes) over the OpenAI chat API.
 
-`consistency_score` (T2IS, REFERENCE.md §4.2) asks the judge about every unordered pair of
-panels of a generated grid (earlier panel first) and averages. The default prompt (template 1)
-names only the grid's theme, not a criterion, so a 2x2 image needs its 6 pair requests once;
-the reference repeats them for each of about 9.5 criteria (about 57 requests). Template 0 asks
-per criterion and averages pairs -> criteria -> dimensions as the reference does. Requests are
+`consistency_score` (T2IS, PaCo-RL/PaCo-GRPO/paco_grpo/rewards/consistency_scorer.py) asks the judge
+about every unordered pair of panels of a generated grid (earlier panel first) and averages. The default
+prompt (template 1) names only the grid's theme, not a criterion, so a 2x2 image needs its 6 pair
+requests once; the reference repeats them for each of about 9.5 criteria (about 57 requests). Template 0
+asks per criterion and averages pairs -> criteria -> dimensions as the reference does. Requests are
 deduplicated within a call and cached across calls by (panel contents, prompt text, model).
 
-`consistency_for_editing` (§4.5) asks two questions about (reference, edited), the reference
-(the original the trainer passes as `ref_images`, at its own size) first, and returns
-sqrt(P_consistent * P_follows), with both probabilities as the result's parts. Without
-reference images it is a RewardError, not a score.
+`consistency_for_editing` (PaCo-RL/PaCo-GRPO/paco_grpo/rewards/consistency_for_editing.py) asks two
+questions about (reference, edited), the reference (the original the trainer passes as `ref_images`, at
+its own size) first, and returns sqrt(P_consistent * P_follows), with both probabilities as the result's
+parts. Without reference images it is a RewardError, not a score.
 
 The score is P(Yes)/(P(Yes)+P(No)) from the first token's top logprobs (exact "Yes"/"No", or
 with `canonicalize` every token that strips and lowercases to yes/no). A sample whose requests
@@ -72,7 +72,8 @@ def yes_probability(top: list[tuple[str, float]], canonicalize: bool = False) ->
 
 
 def data_uri(image: Image.Image, fmt: str = "png", quality: int = 75) -> str:
-    """PNG is lossless; JPEG at quality 75 reproduces what the reference sends (§12.24). PNG uses
+    """PNG is lossless; JPEG at quality 75 reproduces what the reference sends
+    (PaCo-RL/PaCo-GRPO/paco_grpo/utils.py, its image encoding). PNG uses
     zlib level 1: about 2.5x faster to encode than the default 6 for 10% more bytes, and encoding
     runs in the trainer process, beside sampling."""
     buf = io.BytesIO()

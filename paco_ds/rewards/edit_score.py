@@ -1,4 +1,5 @@
-"""EditScore (REFERENCE.md §4.6): a served VLM rates an edit on two rubrics and writes JSON.
+"""EditScore (PaCo-RL/PaCo-GRPO/paco_grpo/rewards/EditScore.py): a served VLM rates an edit on two
+rubrics and writes JSON.
 
   * SC (semantic consistency): the original and the edited image, with the instruction; scores
     [editing success, degree of over-editing].
@@ -9,7 +10,7 @@ SC and PQ as parts 'sc' and 'pq'. Two requests per sample, sent concurrently.
 
 Differences from the reference, on purpose:
   * The SC images are sent in the order the rubric describes, the original first (the reference
-    sends [edited, original], §12.9). The content is [rubric text, images...], as there.
+    sends [edited, original]). The content is [rubric text, images...], as there.
   * A reply that does not parse (no JSON object with a `score` list of two numbers within the
     scale, nor the `||V^=^V||`-delimited form, nor a bare `[a, b]`) fails that sample: the call
     raises a PartialRewardError, so `on_failure` raises or masks it. The reference scores it 0.

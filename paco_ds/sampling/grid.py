@@ -1,8 +1,9 @@
 """T2IS grids: the model draws the whole grid as one image; rewards look at its panels.
 
 `grid_shape` reads the layout (the item's `layout` field, else the first "RxC" in the prompt),
-`split_panels` crops row-major, `split_prompt` separates the global description from the
-per-panel prompts at markers such as ". [TOP]-[LEFT]:" or ". PANEL-2:" (REFERENCE.md §3).
+`split_panels` crops row-major, `split_prompt` separates the global description from the per-panel
+prompts at markers such as ". [TOP]-[LEFT]:" or ". PANEL-2:" (PaCo-RL/PaCo-GRPO/paco_grpo/utils.py:
+divide_prompt, extract_grid_info).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The rollout loop: ODE steps everywhere except the configured noise steps, which use the SDE.
 
-It keeps only what training needs (REFERENCE.md §12.17-20): for each trained step j, x_j and
+It keeps only what training needs (the reference keeps all N+1 latents and re-encodes the prompt
+in every training forward, PaCo-RL/PaCo-GRPO/scripts/train_flux.py): for each trained step j, x_j and
 x_{j+1}, the sigmas, the cached text embeddings, and log pi_old recorded at sampling time. The
 VAE decodes once, at the end. Noise comes from one generator per sample keyed by
 (seed, epoch, position), so a sample does not depend on the world size or the batch it is in.

@@ -1,4 +1,5 @@
-"""FLUX's resolution-shifted sigma schedule (REFERENCE.md §2.3), as small math.
+"""FLUX's resolution-shifted sigma schedule
+(PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/flux_pipeline.py), as small math.
 
 Raw sigmas linspace(1, 1/N, N) are shifted exponentially by mu, which grows linearly with the
 number of packed image tokens L: sigma -> e^mu / (e^mu + 1/sigma - 1). A terminal 0 is appended.

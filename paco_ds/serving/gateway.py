@@ -5,7 +5,7 @@ model nobody serves, 502 when the backend is unreachable, 504 when it times out)
 merges the backends' lists; `GET /health` is 200 only when every backend is healthy. The gateway
 checks the bearer token, body size and image count itself, so a bad request never reaches a GPU.
 Unlike the reference gateway it gets its routes from the process that starts it (no second copy
-of the servers file to fall out of step, REFERENCE.md §6).
+of the servers file to fall out of step, as in PaCo-RL/PaCo-GRPO/vllm_server/gateway_fastapi.py).
 
     python -m paco_ds.serving.gateway --port 8000 --backend PaCo-Reward-7B=http://127.0.0.1:18001
 """

@@ -1,10 +1,11 @@
 """`vllm serve` command lines for the judge models.
 
 vLLM runs only on GPU machines with vLLM installed; here we only build its argv and environment
-(`paco_ds.serving.manager` starts it). Compared with the reference launcher (REFERENCE.md §6) the
-command always names what the consistency rewards rely on: `--max-logprobs` >= 20 (top-20
-first-token logprobs), `--limit-mm-per-prompt` for two images, prefix caching, and it binds
-127.0.0.1 unless told otherwise. A bearer token goes through `VLLM_API_KEY`, not the command line.
+(`paco_ds.serving.manager` starts it). Compared with the reference launcher
+(PaCo-RL/PaCo-GRPO/vllm_server/launch.sh) the command always names what the consistency rewards rely on:
+`--max-logprobs` >= 20 (top-20 first-token logprobs), `--limit-mm-per-prompt` for two images, prefix
+caching, and it binds 127.0.0.1 unless told otherwise. A bearer token goes through `VLLM_API_KEY`, not
+the command line.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 `load_config(path, overrides, schema=SFTConfig)` gives the GRPO recipes' machinery: `extends:`,
 `--set a.b=c`, file:line error messages and unknown-key suggestions. Defaults are the reference
-values of PaCo-Reward (REFERENCE.md §9.1: LLaMA-Factory's LoRA SFT of Qwen2.5-VL-7B-Instruct).
+values of PaCo-Reward (PaCo-RL/PaCo-Reward/config/paco_reward_lora.yaml: LLaMA-Factory's LoRA SFT of
+Qwen2.5-VL-7B-Instruct).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reward-model SFT data: sharegpt records, the qwen2_vl template, labels, batches, synthetic pairs.
 
-Records are what LLaMA-Factory's sharegpt loader reads (REFERENCE.md §9.4), one JSON object each,
+Records are what LLaMA-Factory's sharegpt loader reads (the format of PaCo-Reward's data), one JSON object each,
 in a JSON list or a JSONL file:
 
     {"messages": [{"role": "user", "content": "<image><image>Do the two images ...?"},

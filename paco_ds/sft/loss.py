@@ -1,4 +1,5 @@
-"""The first_token_weight loss of PaCo-Reward (REFERENCE.md §9.3) and the SFT accuracies.
+"""The first_token_weight loss of PaCo-Reward
+(PaCo-RL/PaCo-Reward/LLaMA-Factory/src/llamafactory/train/sft/trainer.py) and the SFT accuracies.
 
 With logits shifted against labels (position t predicts token t+1), per-token cross-entropy l,
 mask M = [label != -100], n_i = sum_t M_it, f_i the first supervised position of sequence i and

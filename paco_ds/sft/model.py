@@ -84,7 +84,7 @@ def load_processor(path, cfg: SFTConfig):
 def zero3_loading(ds_config: dict):
     """Make `from_pretrained` load partitioned (zero.Init) for this ZeRO-3 engine config. The caller
     keeps the returned object alive as long as the model: transformers holds only a weak reference."""
-    import transformers  # noqa: F401  (before zero.Init: see ENVIRONMENT.md)
+    import transformers  # noqa: F401  (imported first: importing it inside zero.Init fails with a signature mismatch)
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(ds_config)

@@ -5,9 +5,9 @@ Qwen2.5-VL partitioned, add the LoRA, wrap model + fused loss (paco_ds/sft/model
 engine with torch AdamW and a warm-up + cosine schedule, then per epoch:
 
   train   micro-batches in a seeded order keyed by the epoch (paco_ds/sft/data.py train_batches);
-          DeepSpeed accumulates `gradient_accumulation_steps` micro-batches per optimizer step
-          (a short last group closes the epoch, as the HF Trainer does), clips and steps;
-          each micro-batch loss is normalised by its own supervised tokens (REFERENCE.md §9.3).
+          DeepSpeed accumulates `gradient_accumulation_steps` micro-batches per optimizer step (a short
+          last group closes the epoch, as the HF Trainer does), clips and steps; each micro-batch loss
+          is normalised by its own supervised tokens (as PaCo-Reward's LLaMA-Factory trainer does).
   eval    loss, token accuracy and first-token (Yes/No) accuracy on the eval records, each
           counted once however the ranks split them.
   save    an atomic checkpoint (engine, trainer state, RNG, the exported adapter), also every
