@@ -1,4 +1,5 @@
-"""GRPO advantages and the PPO-clip loss as tensor ops (REFERENCE.md §5, §1.5): torch and Triton.
+"""GRPO advantages and the PPO-clip loss as tensor ops: torch and Triton (the stat tracker of
+PaCo-RL/PaCo-GRPO/paco_grpo/stat_tracking.py; compute_ppo_loss of PaCo-RL/PaCo-GRPO/scripts/train_flux.py).
 
 Why: the numpy stat tracker (`paco_ds.grpo.advantages`, `paco_ds.rewards.aggregate`) loops over
 groups on the host; on GPU the advantage step of an epoch is one Triton launch over the gathered

@@ -1,4 +1,5 @@
-"""Fused SDE transition log-prob (REFERENCE.md §2.1) and KL surrogate: Triton (CUDA) and C++ (CPU).
+"""Fused SDE transition log-prob and KL surrogate: Triton (CUDA) and C++ (CPU). The transition is
+the one of kernels/sde_reference.py (PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/sde_denoising_step.py).
 
 Why fused: the torch reference (kernels/sde_reference.py) widens x_t, v and x_{t+1} to fp32 copies,
 materialises the mean, the residual and its square, and keeps fp32 intermediates for backward:
@@ -6,7 +7,7 @@ about 20 passes over the latent. Here one pass reads the inputs in their own dty
 computes in fp32 registers and writes one fp32 partial sum per chunk; backward recomputes the mean
 from the saved inputs and writes the gradient of v in v's dtype.
 
-Both transitions of §2.1 are affine in (x, v). The kernels compute per-sample coefficients from
+Both transitions (flow_grpo and cps) are affine in (x, v). The kernels compute per-sample coefficients from
 (sigma, sigma_next, sigma_max, noise level) in fp64 (csrc/sde_logprob.cpp `coefficients`,
 kernels/_triton_sde.py `coefficients`), then, per element in fp32:
 
@@ -221,7 +222,7 @@ def _rows(t: torch.Tensor, allowed: tuple) -> torch.Tensor:
 def sde_logprob(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level: float, sigma_max=None, *,
                 prev_sample: torch.Tensor | None = None, noise: torch.Tensor | None = None,
                 sde_type: str = "flow_grpo", return_mean: bool = False, backend: str) -> SDEStep:
-    """The stochastic transition x -> x' of REFERENCE.md §2.1 with its per-sample log-prob.
+    """The stochastic transition x -> x' of kernels/sde_reference.py with its per-sample log-prob.
 
     Exactly one of `prev_sample` (score a stored transition) or `noise` (sample one) is given.
     `backend` is "triton" or "cpp" (the dispatcher in kernels/__init__.py chooses); x and v must

@@ -1,6 +1,7 @@
 """The torch reference of the SDE ops: one denoising step with its log-prob, and the KL surrogate.
 
-REFERENCE.md §2.1. This is the ground truth for the fused kernels beside it (kernels/sde_logprob.py,
+PaCo-RL/PaCo-GRPO/paco_grpo/diffusers_patch/sde_denoising_step.py (Flow-GRPO's SDE, arXiv 2505.05470,
+and its CPS variant). This is the ground truth for the fused kernels beside it (kernels/sde_logprob.py,
 csrc/sde_logprob.cpp, kernels/_triton_sde.py) and the "torch" backend of `kernels.sde_step` and
 `kernels.kl_to_reference`: everything is computed in fp32 whatever the input dtype, and the log-prob
 is the per-element Gaussian density averaged over all non-batch elements (one scalar per sample,

@@ -39,7 +39,7 @@ from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref
 
 RESULTS = Path(__file__).resolve().parent / "results"
 C = 64  # FLUX packed latent channels
-NOISE_LEVEL, SIGMA, SIGMA_NEXT = 0.7, 0.9441, 0.8825  # step 1 of the 512 px schedule (REFERENCE.md §2.3)
+NOISE_LEVEL, SIGMA, SIGMA_NEXT = 0.7, 0.9441, 0.8825  # step 1 of FLUX's 512 px, 10-step schedule
 SDE_OPS = ("sde_fwd", "sde_fwd_bwd", "sde_sample", "kl_fwd_bwd")
 OPS = SDE_OPS + ("advantages", "ppo_fwd_bwd")
 KERNEL_OP = {"sde_fwd": "sde_step", "sde_fwd_bwd": "sde_step", "sde_sample": "sde_step",  # bench op -> kernels op
