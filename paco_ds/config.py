@@ -21,7 +21,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float of every recipe (`.inf`, `.nan`, 1e400) is finite, or the
+    # load fails naming the key; a non-finite learning rate or guidance scale would only stop a
+    # run later, or train on NaN.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def check_run_name(v: str) -> str:
+    """A run name is one path component: the run directory is <output_dir>/<run_name>, so '/',
+    '..' or an empty name would put the run outside output_dir or make output_dir itself the run."""
+    if not v or not v.strip() or v in (".", "..") or any(c in v for c in "/\\\0"):
+        raise ValueError(f"a run name is one non-empty path component without '/', '\\' or NUL, "
+                         f"and not '.' or '..' (got {v!r})")
+    return v
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,7 +107,7 @@ class SampleConfig(Section):
     num_steps: int = Field(10, ge=1)
     guidance_scale: float = 3.5
     batch_size: int = Field(1, ge=1)
-    group_size: int = Field(16, ge=1)  # k: images per prompt
+    group_size: int = Field(16, ge=2)  # k: images per prompt (one image alone has advantage 0)
     prompts_per_epoch: int = Field(42, ge=1)  # m: unique prompts per epoch (rounded up, see derive)
     round_prompts_per_epoch: bool = True
     noise_level: float = Field(0.7, ge=0)
@@ -232,6 +244,18 @@ class RewardsConfig(Section):
     # max_concurrency): a judge slower per batch than the sampler then still keeps pace.
     batches_in_flight: int = Field(default=8, ge=1)
 
+    @model_validator(mode="after")
+    def _some_weight(self) -> "RewardsConfig":
+        agg = self.train.aggregation
+        # The reference's unweighted geometric/harmonic means (center: false) ignore the weights,
+        # and a custom function decides for itself; everywhere else all-zero weights make every
+        # aggregated reward, hence every advantage, 0.
+        unweighted = ":" in agg.fn or (not agg.center and agg.fn in ("geometric_mean", "harmonic_mean"))
+        if not unweighted and all(t.weight == 0 for t in self.train.terms.values()):
+            raise ValueError("rewards.train.terms: every reward weight is 0, so every advantage would be 0; "
+                             "give at least one reward a non-zero weight")
+        return self
+
     @property
     def eval(self) -> RewardSet:
         return self.test or self.train
@@ -327,6 +351,11 @@ class Recipe(Section):
 
 class Config(Recipe):
     run_name: str = "run"
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_component(cls, v: str) -> str:
+        return check_run_name(v)
     seed: int = 42
     output_dir: str = "runs"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -348,6 +377,10 @@ class Config(Recipe):
         if self.train.loss == "awm":
             self._awm_checks()
         steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above
+        late = [j for j in self.sample.noise_steps if j >= self.sample.num_steps]
+        if late and self.sample.sde_window is None:
+            # The sampler would never reach them: the recipe asks for noise that is silently not there.
+            raise ValueError(f"sample.noise_steps {late} must be < sample.num_steps={self.sample.num_steps}")
         bad = [j for j in steps if j >= self.sample.num_steps]
         if bad:
             raise ValueError(f"train.timesteps {bad} must be < sample.num_steps={self.sample.num_steps}")

@@ -36,8 +36,57 @@ def check_name(value: str, info: ValidationInfo, table: str, what: str) -> str:
     return value
 
 
+# A recipe has hundreds of nodes; a document whose aliases expand past this many is an alias bomb
+# (each level of `&a [*b, *b, ...]` multiplies the size), which safe_load would build for minutes
+# and gigabytes.
+MAX_EXPANDED_NODES = 100_000
+
+
+def _checked_root(text: str, file: str):
+    """The composed YAML node tree (aliases are shared nodes here, not yet copies), after refusing
+    a key repeated in one mapping (YAML would silently keep the last value) and a document whose
+    aliases expand past MAX_EXPANDED_NODES. Errors are one line naming file:line."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    sizes: dict[int, int] = {}  # expanded size per node, memoised: shared (aliased) nodes are counted once each
+
+    def size(node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a recursive alias counts once rather than looping
+        n = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple, int] = {}
+            for knode, vnode in node.value:
+                if isinstance(knode, yaml.ScalarNode) and knode.tag != "tag:yaml.org,2002:merge":
+                    key = (knode.tag, knode.value)
+                    if key in seen:
+                        raise ConfigError(f"{file}:{knode.start_mark.line + 1}: key '{knode.value}' is repeated in "
+                                          f"this mapping (first at line {seen[key]}); give each key once")
+                    seen[key] = knode.start_mark.line + 1
+                n += size(knode) + size(vnode)
+        elif isinstance(node, yaml.SequenceNode):
+            n += sum(size(v) for v in node.value)
+        if n > MAX_EXPANDED_NODES:
+            raise ConfigError(f"{file}:{node.start_mark.line + 1}: the document expands past "
+                              f"{MAX_EXPANDED_NODES:,} values through its aliases (&anchor / *alias); refused")
+        sizes[id(node)] = n
+        return n
+
+    if root is not None:
+        size(root)
+    return root
+
+
+def safe_load_checked(text: str, file: str):
+    """yaml.safe_load, after _checked_root's checks (repeated keys, alias bombs)."""
+    if _checked_root(text, file) is None:
+        return None
+    return yaml.safe_load(text)
+
+
 def _locations(text: str, file: str) -> dict[tuple, str]:
-    """Map each key path of a YAML document to 'file:line'."""
+    """Map each key path of a YAML document to 'file:line' (after _checked_root's checks, so the
+    walk below expands a bounded document)."""
     out: dict[tuple, str] = {}
 
     def walk(node, prefix: tuple) -> None:
@@ -47,7 +96,7 @@ def _locations(text: str, file: str) -> dict[tuple, str]:
                 out[key] = f"{file}:{knode.start_mark.line + 1}"
                 walk(vnode, key)
 
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = _checked_root(text, file)
     if root is not None:
         walk(root, ())
     return out
@@ -80,8 +129,8 @@ def _read_yaml(path: Path, stack: tuple = ()) -> tuple[dict, dict[tuple, str]]:
         raise ConfigError(f"{path}: circular 'extends'")
     text = read_text_utf8(path)
     try:
+        locs = _locations(text, _display(path))  # first: it refuses repeated keys and alias bombs
         data = yaml.safe_load(text) or {}
-        locs = _locations(text, _display(path))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
@@ -91,9 +140,14 @@ def _read_yaml(path: Path, stack: tuple = ()) -> tuple[dict, dict[tuple, str]]:
     extends = data.pop("extends", None)
     if extends is None:
         return data, locs
+    bases = [extends] if isinstance(extends, str) else extends
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b.strip() for b in bases):
+        where = locs.get(("extends",), _display(path))
+        raise ConfigError(f"{where}: config key 'extends' must be a file name or a list of file names "
+                          f"(got {extends!r})")
     merged: dict = {}
     merged_locs: dict[tuple, str] = {}
-    for base in [extends] if isinstance(extends, str) else list(extends):
+    for base in bases:
         bdata, blocs = _read_yaml((path.parent / base), stack + (path.resolve(),))
         merged = _deep_merge(merged, bdata)
         merged_locs.update(blocs)
@@ -127,7 +181,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not keys:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load_checked(raw, f"--set {item}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return keys, value
@@ -167,7 +221,14 @@ def _model_fields(model: type[BaseModel], path: tuple) -> list[str]:
 
 def _format_validation_error(err: ValidationError, locs: dict[tuple, str], source: str,
                              schema: type[BaseModel]) -> str:
-    e = err.errors()[0]
+    errors = err.errors()
+    e = dict(errors[0])
+    # A union's members add their own tag to the location ("literal['mean','median']", "float"):
+    # name the key alone, with what each member would have accepted.
+    key_loc = tuple(str(x) for x in e["loc"] if not _is_union_tag(x))
+    if len(key_loc) < len(e["loc"]):
+        same = [x for x in errors if tuple(str(y) for y in x["loc"] if not _is_union_tag(y)) == key_loc]
+        e["loc"], e["msg"] = key_loc, " or ".join(dict.fromkeys(x["msg"] for x in same))
     loc = tuple(str(x) for x in e["loc"])
     dotted = ".".join(loc)
     if not loc or e["type"] == "value_error" and _named_keys(e["msg"], locs, loc):
@@ -198,6 +259,10 @@ def _format_validation_error(err: ValidationError, locs: dict[tuple, str], sourc
     got = e.get("input")
     got_s = "" if isinstance(got, (dict, list)) or e["type"].startswith("value_error") else f" (got {got!r})"
     return f"{where}: config key '{dotted}': {msg}{got_s}"
+
+
+def _is_union_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("float", "int", "str", "bool"))
 
 
 def _named_keys(msg: str, locs: dict[tuple, str], loc: tuple) -> list[tuple[str, str]]:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from paco_ds.data.records import positive_int as _positive_int, read_jsonl
+from paco_ds.data.records import check_text, positive_int as _positive_int, read_jsonl
 from paco_ds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ def _prompt(rec: dict, where: str) -> str:
     prompt = rec.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise DataError(f"{where}: missing or empty 'prompt'")
+    check_text(prompt, "prompt", where)
+    check_text(rec.get("negative_prompt"), "negative_prompt", where)
     return prompt
 
 
@@ -96,6 +98,7 @@ def _jsonl_records(path: Path) -> list[dict]:
         where = f"{path}:{lineno}"
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        check_text(rec, "", where)  # the whole record is the item's metadata
         prompt = _prompt(rec, where)
         neg = rec.get("negative_prompt")
         if neg is not None and not isinstance(neg, str):

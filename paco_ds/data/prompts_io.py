@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from paco_ds.errors import DataError
-from paco_ds.data.records import positive_int as _positive_int, read_jsonl
+from paco_ds.data.records import check_text, positive_int as _positive_int, read_jsonl
 from paco_ds.recipe import read_text_utf8
 
 @dataclass
@@ -71,6 +71,7 @@ def load_t2is_jsonl(path: str | Path) -> list[PromptItem]:
         where = f"{path}:{lineno}"
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        check_text(rec, "", where)  # criteria and metadata reach the judge too
         prompt = rec.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{where}: missing or empty 'prompt'")
@@ -90,7 +91,11 @@ def load_text_prompts(path: str | Path) -> list[PromptItem]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
-    items = [PromptItem(prompt=line.strip()) for line in read_text_utf8(path, DataError).splitlines() if line.strip()]
+    items = []
+    for lineno, line in enumerate(read_text_utf8(path, DataError).split("\n"), 1):
+        if line.strip():
+            check_text(line, "prompt", f"{path}:{lineno}")  # UTF-8 has no lone surrogates; NUL it has
+            items.append(PromptItem(prompt=line.strip(), where=f"{path}:{lineno}"))
     if not items:
         raise DataError(f"{path}: no prompts")
     return items

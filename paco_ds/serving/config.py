@@ -19,7 +19,8 @@ API_KEY_ENV = "PACO_REWARD_API_KEY"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a timeout or size of .inf/.nan is refused at load, naming the key
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ServedModel(_Section):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from paco_ds.data.records import read_jsonl
+from paco_ds.data.records import check_text, read_jsonl
 from paco_ds.errors import DataError
 
 IGNORE_INDEX = -100
@@ -98,6 +98,7 @@ def parse_record(raw, where: str, image_root: Path) -> Record:
     <image> placeholder, every image file present."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object")
+    check_text(raw, "", where)  # NUL or a lone surrogate would stop the tokenizer mid-run
     system, msgs = _messages(raw, where)
     if not any(role == "assistant" for role, _ in msgs):
         raise DataError(f"{where}: no assistant turn (nothing to learn)")
@@ -194,19 +195,23 @@ class Encoder:
             labels += target
         return ids, labels, prompt_len
 
-    def prompt_length(self, rec: Record) -> int:
-        """Tokens before the first labelled one, from the image headers only (no decoding)."""
+    def prompt_length(self, rec: Record, decode: bool = False) -> int:
+        """Tokens before the first labelled one, from the image headers; `decode`: also decode
+        every image, so that a file cut short behind a valid header fails here, not mid-run."""
         sizes = []
         for p in rec.images:
             try:
                 with Image.open(p) as im:
+                    if decode:
+                        im.load()
                     sizes.append(im.size)
-            except OSError as err:
+            except (OSError, ValueError, Image.DecompressionBombError) as err:
                 raise DataError(f"{rec.where}: cannot read image {p} ({err})") from None
         return self._ids(rec, [self.image_tokens(w, h) for w, h in sizes])[2]
 
     def check(self, rec: Record) -> None:
-        n = self.prompt_length(rec)
+        """At start-up, every record of this rank's share: images decoded, prompt within the cutoff."""
+        n = self.prompt_length(rec, decode=True)
         if n >= self.cutoff_len:
             raise DataError(f"{rec.where}: the prompt is {n} tokens (images included) but data.cutoff_len is "
                             f"{self.cutoff_len}: raise cutoff_len or lower model.image_max_pixels")
@@ -214,8 +219,11 @@ class Encoder:
     def encode(self, rec: Record, index: int) -> Example:
         images = []
         for p in rec.images:
-            with Image.open(p) as im:
-                images.append(im.convert("RGB"))
+            try:
+                with Image.open(p) as im:
+                    images.append(im.convert("RGB"))
+            except (OSError, ValueError) as err:  # e.g. replaced or cut short after the start-up check
+                raise DataError(f"{rec.where}: cannot read image {p} ({err})") from None
         out = self.image_processor(images=images, size=self.size, return_tensors="pt")
         pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
         ids, labels, prompt_len = self._ids(rec, [int(t.prod()) // self.merge for t in grid])

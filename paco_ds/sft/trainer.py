@@ -300,7 +300,7 @@ class SFTTrainer:
         state = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                  "epoch_losses": list(self.epoch_losses)}
         meta = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                "run_name": self.cfg.run_name}
+                "run_name": self.cfg.run_name, "recipe": resume_settings(self.cfg)}
         adapter = self.adapter_state()
         path = self.ckpt.save(self.engine, f"step_{self.global_step:07d}", state, meta,
                               write_extra=lambda d: save_adapter(self.peft, adapter, d / "adapter", self.processor))
@@ -309,6 +309,9 @@ class SFTTrainer:
         return path
 
     def load(self, path: Path) -> None:
+        changed = check_resume_settings(self.cfg, path)  # before the engine meets tensors of another shape
+        if changed and self.dist.is_main:
+            print(f"resuming {path} with changed settings: {changed}", flush=True)
         state, meta = self.ckpt.load(self.engine, path)
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step, self.epoch_losses = state["global_step"], state["epoch_losses"]
@@ -319,6 +322,52 @@ class SFTTrainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+
+
+# What a checkpoint's tensors are shaped by: resuming with another value cannot load them.
+_SHAPE_KEYS = ("lora.rank", "lora.target_modules", "model.path", "model.freeze_vision_tower",
+               "model.freeze_multi_modal_projector")
+# What changes the run from here on: allowed, but said, so a resumed run is never silently another run.
+_TRAJECTORY_KEYS = ("lora.alpha", "lora.dropout", "train.learning_rate", "train.num_epochs", "train.lr_scheduler",
+                    "train.warmup_ratio", "train.weight_decay", "train.batch_size",
+                    "train.gradient_accumulation_steps", "train.first_token_weight", "train.max_grad_norm", "seed")
+
+
+def resume_settings(cfg: SFTConfig) -> dict:
+    """The recipe values a checkpoint records so that a resume can be compared with them."""
+    data = cfg.model_dump(mode="json")
+    out = {}
+    for key in _SHAPE_KEYS + _TRAJECTORY_KEYS:
+        node = data
+        for part in key.split("."):
+            node = node[part]
+        out[key] = node
+    return out
+
+
+def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
+    """Raise a ConfigError naming the key when the checkpoint's LoRA shape differs from the
+    recipe's; return the other recorded settings that differ ('key: old -> new, ...', or '')."""
+    import json
+
+    from paco_ds.errors import ConfigError
+
+    try:
+        saved = json.loads((Path(path) / "meta.json").read_text()).get("recipe") or {}
+    except (OSError, ValueError):
+        saved = {}
+    if not saved:  # a checkpoint written before the recipe was recorded: its adapter config has the rank
+        try:
+            adapter = json.loads((Path(path) / "adapter" / "adapter_config.json").read_text())
+            saved = {"lora.rank": adapter["r"]}
+        except (OSError, ValueError, KeyError):
+            return ""
+    now = resume_settings(cfg)
+    for key in _SHAPE_KEYS:
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(f"config key '{key}': --resume {path} was trained with {saved[key]!r}, this recipe "
+                              f"gives {now[key]!r}; a checkpoint resumes only with the same {key}")
+    return ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in _TRAJECTORY_KEYS if k in saved and saved[k] != now[k])
 
 
 def run(cfg: SFTConfig, resume: str | None = None) -> None:

@@ -1,0 +1,327 @@
+"""Inputs that used to pass `--dry-run` and stop a run later with a traceback, or that make no
+sense: each is one line naming the key or file:line, exit 2, at load (docs/inputs.md).
+
+In-process checks of the loaders, plus a few `launch/train.py --dry-run` runs (plain python,
+world size 1) for the one-line exit 2.
+"""
+from __future__ import annotations
+
+import json
+import time
+import typing
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from pydantic import BaseModel
+
+from conftest import REPO, TINY, one_line_error, run_cli
+from paco_ds.config import Config
+from paco_ds.data import load_prompts
+from paco_ds.errors import ConfigError, DataError
+from paco_ds.grpo.plan import check_recipe, load_config
+from paco_ds.sft.config import SFTConfig, load_sft_config
+
+SFT_TINY = REPO / "configs" / "tiny" / "reward_sft.yaml"
+
+
+def _dry_run(*sets: str, config: Path = TINY):
+    args = ["launch/train.py", "--config", str(config), "--dry-run"]
+    for s in sets:
+        args += ["--set", s]
+    return run_cli(*args, timeout=120)
+
+
+def _jsonl(tmp_path: Path, *records: str, name: str = "p.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("\n".join(records) + "\n", encoding="utf-8")
+    return path
+
+
+GOOD = '{"prompt": "a 2x2 grid of a cat", "layout": "2x2"}'
+
+
+# ------------------------------------------------------------------------------------ prompts
+@pytest.mark.parametrize("bad, what", [
+    ('{"prompt": "a cat \\ud83d in a hat"}', r"'prompt' contains a lone surrogate \\ud83d at character 6"),
+    ('{"prompt": "a cat\\u0000 in a hat"}', "'prompt' contains NUL at character 5"),
+    ('{"prompt": "a cat", "criteria": {"style": ["x\\udc00"]}}', r"'criteria.style\[0\]' contains a lone surrogate"),
+])
+def test_a_prompt_with_nul_or_a_lone_surrogate_is_refused_naming_file_line(tmp_path, bad, what):
+    path = _jsonl(tmp_path, GOOD, bad)
+    with pytest.raises(DataError, match=f"p.jsonl:2: {what}"):
+        load_prompts(path, "t2is")
+
+
+def test_nul_in_a_text_prompt_file_is_refused_naming_the_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a cat\n\na dog\x00 outside\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"p.txt:3: 'prompt' contains NUL at character 5"):
+        load_prompts(path, "text")
+
+
+def test_emoji_right_to_left_and_long_prompts_load_unchanged(tmp_path):
+    prompts = ["a 2x2 grid of cats \U0001F408\u200d\u2b1b and \U0001F600", "\u05d7\u05ea\u05d5\u05dc \u0642\u0637\u0629 "
+               "in a 1x2 grid", "a 2x2 grid: " + "a very detailed scene " * 2000]
+    # JSON's escaped surrogate *pair* is one character once parsed: not a lone surrogate
+    path = _jsonl(tmp_path, *(json.dumps({"prompt": p}) for p in prompts), '{"prompt": "pair \\ud83d\\ude00 2x2"}')
+    items = load_prompts(path, "t2is")
+    assert [it.prompt for it in items] == prompts + ["pair \U0001F600 2x2"]
+
+
+def test_the_dry_run_refuses_a_lone_surrogate_in_one_line(tmp_path):
+    path = _jsonl(tmp_path, GOOD, GOOD.replace("cat", "cat \\ud83d"))
+    line = one_line_error(_dry_run(f"data.train_file={path}"))
+    assert f"{path}:2: 'prompt' contains a lone surrogate" in line
+
+
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e400"])
+def test_a_non_finite_height_is_one_line_naming_file_line(tmp_path, value):
+    path = _jsonl(tmp_path, GOOD, f'{{"prompt": "a cat", "height": {value}}}')
+    with pytest.raises(DataError, match=r"p.jsonl:2: 'height' must be a positive integer"):
+        load_prompts(path, "t2is")
+
+
+def test_a_non_finite_width_of_an_edit_record_is_refused(tmp_path):
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "a.png")
+    path = _jsonl(tmp_path, '{"prompt": "make it blue", "image": "a.png", "width": NaN}', name="edit.jsonl")
+    with pytest.raises(DataError, match=r"edit.jsonl:1: 'width' must be a positive integer \(got nan\)"):
+        load_prompts(path, "edit")
+
+
+def test_an_edit_instruction_with_a_lone_surrogate_is_refused(tmp_path):
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "a.png")
+    path = _jsonl(tmp_path, '{"prompt": "make it \\udfff blue", "image": "a.png"}', name="edit.jsonl")
+    with pytest.raises(DataError, match=r"edit.jsonl:1: 'prompt' contains a lone surrogate \\udfff"):
+        load_prompts(path, "edit")
+
+
+# ------------------------------------------------------------------------------------ YAML
+def _recipe(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("extends, shown", [("5", "5"), (f"[{TINY}, 7]", "7"), ("{a: 1}", "{'a': 1}"), ("''", "''")])
+def test_extends_must_name_files(tmp_path, extends, shown):
+    path = _recipe(tmp_path, f"run_name: x\nextends: {extends}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "r.yaml:2: config key 'extends' must be a file name or a list of file names" in msg and shown in msg
+
+
+def test_a_key_repeated_in_one_mapping_names_file_and_line(tmp_path):
+    path = _recipe(tmp_path, f"extends: {TINY}\ntrain:\n  learning_rate: 1.0e-3\n  num_epochs: 2\n"
+                             "  learning_rate: 1.0e-2\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:5: key 'learning_rate' is repeated in this mapping "
+                                          r"\(first at line 3\)"):
+        load_config(path)
+
+
+def test_the_same_key_in_two_mappings_and_in_a_base_is_fine(tmp_path):
+    path = _recipe(tmp_path, f"extends: {TINY}\ntrain: {{num_epochs: 2}}\ntest: {{num_steps: 2}}\n")
+    cfg = load_config(path)
+    assert cfg.train.num_epochs == 2 and cfg.test.num_steps == 2
+
+
+def test_an_alias_bomb_is_refused_quickly(tmp_path):
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 10):  # 10^10 values once expanded
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    path = _recipe(tmp_path, "\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"r.yaml:\d+: the document expands past 100,000 values through its "
+                                          r"aliases"):
+        load_config(path)
+    assert time.perf_counter() - t0 < 5
+    # the same through --set
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="expands past"):
+        load_config(TINY, ["train.timesteps=" + "{" + ", ".join(lines) + "}"])
+    assert time.perf_counter() - t0 < 5
+
+
+def test_aliases_within_bounds_still_work(tmp_path):
+    path = _recipe(tmp_path, f"extends: {TINY}\nsample: {{noise_steps: &s [0, 1]}}\ntrain: {{timesteps: *s}}\n")
+    assert load_config(path).train.timesteps == [0, 1]
+
+
+# ------------------------------------------------------------------------------------ run_name
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "", "..", ".", "/abs", "  "])
+def test_a_run_name_is_one_path_component(name):
+    with pytest.raises(ConfigError, match=r"config key 'run_name': a run name is one non-empty path component"):
+        load_config(TINY, [f"run_name={name}"])
+    with pytest.raises(ConfigError, match=r"config key 'run_name': a run name is one non-empty path component"):
+        load_sft_config(SFT_TINY, [f"run_name={name}"])
+
+
+def test_a_run_name_outside_output_dir_is_refused_by_the_dry_run():
+    line = one_line_error(_dry_run("run_name=../../escaped"))
+    assert "config key 'run_name'" in line and "'../../escaped'" in line
+
+
+# ------------------------------------------------------------------------------------ finite floats
+def _float_keys(model: type[BaseModel], prefix: tuple = ()) -> list[str]:
+    """Every float field of a schema (nested sections included), as dotted keys."""
+    out = []
+    for name, field in model.model_fields.items():
+        if name == "source":
+            continue
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        subs = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if subs:
+            out += _float_keys(subs[0], prefix + (name,))
+        elif float in args:
+            out.append(".".join(prefix + (name,)))
+    return out
+
+
+GRPO_FLOATS = _float_keys(Config)
+SFT_FLOATS = _float_keys(SFTConfig)
+
+
+def test_the_schemas_have_the_floats_named_in_the_docs():
+    for key in ("train.learning_rate", "train.weight_decay", "sample.guidance_scale", "train.adam_beta1",
+                "advantage.clip", "train.awm.time_shift"):
+        assert key in GRPO_FLOATS
+    assert "train.learning_rate" in SFT_FLOATS and "train.adam_epsilon" in SFT_FLOATS
+
+
+@pytest.mark.parametrize("key", GRPO_FLOATS)
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf"])
+def test_every_float_of_the_grpo_recipe_is_finite(key, value):
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        load_config(TINY, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", SFT_FLOATS)
+def test_every_float_of_the_sft_recipe_is_finite(key):
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        load_sft_config(SFT_TINY, [f"{key}=.nan"])
+
+
+def test_a_non_finite_learning_rate_is_one_line_in_the_dry_run():
+    line = one_line_error(_dry_run("train.learning_rate=.inf"))
+    assert "config key 'train.learning_rate'" in line and "finite" in line
+
+
+# ------------------------------------------------------------------------------------ advantages that are all 0
+def test_all_reward_weights_zero_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"config keys 'rewards.train.terms' \(--set rewards.train.terms=.*\): .*every reward "
+                                          r"weight is 0, so every advantage would be 0"):
+        load_config(TINY, ["rewards.train.terms={jpeg_compressibility: {weight: 0}, pickscore: {weight: 0.0, "
+                           "tiny: true}}"])
+    # one non-zero weight is enough; the unweighted reference means ignore the weights
+    load_config(TINY, ["rewards.train.terms={jpeg_compressibility: {weight: 0}, pickscore: {weight: 1, tiny: true}}"])
+    load_config(TINY, ["rewards.train.terms={jpeg_compressibility: {weight: 0}}",
+                       "rewards.train.aggregation={fn: geometric_mean, center: false}"])
+
+
+def test_a_group_of_one_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"config key 'sample.group_size': Input should be greater than or "
+                                          r"equal to 2 \(got 1\)"):
+        load_config(TINY, ["sample.group_size=1"])
+
+
+def test_a_noise_step_past_the_last_step_is_refused():
+    with pytest.raises(ConfigError, match=r"'sample.noise_steps' .*: sample.noise_steps \[99\] must be < "
+                                          r"sample.num_steps=6"):
+        load_config(TINY, ["sample.noise_steps=[0, 99]", "train.timesteps=[0]"])
+    line = one_line_error(_dry_run("sample.noise_steps=[0, 99]", "train.timesteps=[0]"))
+    assert "sample.noise_steps [99] must be < sample.num_steps=6" in line
+
+
+def test_the_tiny_recipes_still_load_and_plan():
+    for path in sorted((REPO / "configs" / "tiny").glob("*.yaml")):
+        if path.name == "reward_sft.yaml":
+            load_sft_config(path)
+        else:
+            check_recipe(load_config(path), 2)
+
+
+# ------------------------------------------------------------------------------------ reward-model SFT
+@pytest.fixture(scope="module")
+def processor():
+    from paco_ds.models.tiny import tiny_qwen2_5_vl
+
+    return tiny_qwen2_5_vl()[1]
+
+
+def _sft_records(tmp_path: Path):
+    from paco_ds.sft.data import load_records
+
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "a.png")
+    Image.new("RGB", (64, 64), "blue").save(tmp_path / "b.png")
+    data = (tmp_path / "b.png").read_bytes()
+    (tmp_path / "b.png").write_bytes(data[:len(data) // 2])  # the header is intact, the pixels are cut
+    rec = {"messages": [{"role": "user", "content": "<image><image>Same?"}, {"role": "assistant", "content": "Yes."}]}
+    (tmp_path / "d.json").write_text(json.dumps([{**rec, "images": ["a.png", "a.png"]},
+                                                 {**rec, "images": ["a.png", "b.png"]}]))
+    return load_records([tmp_path / "d.json"], "data.train_files")
+
+
+def test_a_truncated_image_is_found_at_start_up_naming_file_and_record(tmp_path, processor):
+    from paco_ds.sft.data import Encoder, SFTDataset
+
+    records = _sft_records(tmp_path)
+    with Image.open(tmp_path / "b.png") as im:
+        assert im.size == (64, 64)  # what the old header-only check saw
+    ds = SFTDataset(records, Encoder(processor, 1024, 28 * 28, 56 * 56))
+    index, msg = ds.first_error(range(len(records)))
+    assert index == 1 and "d.json: record 1: cannot read image" in msg and "b.png" in msg
+    with pytest.raises(DataError, match=r"d.json: record 1: cannot read image .*b.png \(image file is truncated\)"):
+        ds[1]  # and at first use, had the file been cut after the start-up check
+
+
+def test_an_sft_record_with_a_lone_surrogate_is_refused(tmp_path):
+    from paco_ds.sft.data import load_records
+
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "a.png")
+    (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "<image>Same \\ud800?"}, '
+                                      '{"role": "assistant", "content": "Yes"}], "images": ["a.png"]}\n')
+    with pytest.raises(DataError, match=r"d.jsonl: record 0: 'messages\[0\].content' contains a lone surrogate"):
+        load_records([tmp_path / "d.jsonl"], "data.train_files")
+
+
+def _checkpoint_with(tmp_path: Path, cfg: SFTConfig, meta_extra: dict | None = None) -> Path:
+    from paco_ds.sft.trainer import resume_settings
+
+    ckpt = tmp_path / "step_0000004"
+    ckpt.mkdir()
+    meta = {"epoch": 1, "global_step": 4, "recipe": resume_settings(cfg)} if meta_extra is None else meta_extra
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def test_resuming_with_another_lora_rank_is_one_line_naming_the_key(tmp_path):
+    from paco_ds.sft.trainer import check_resume_settings
+
+    ckpt = _checkpoint_with(tmp_path, load_sft_config(SFT_TINY))
+    with pytest.raises(ConfigError, match=r"config key 'lora.rank': --resume .*step_0000004 was trained with 8, "
+                                          r"this recipe gives 16"):
+        check_resume_settings(load_sft_config(SFT_TINY, ["lora.rank=16"]), ckpt)
+
+
+def test_resuming_a_checkpoint_without_a_recorded_recipe_reads_the_adapters_rank(tmp_path):
+    from paco_ds.sft.trainer import check_resume_settings
+
+    ckpt = _checkpoint_with(tmp_path, load_sft_config(SFT_TINY), meta_extra={"epoch": 1})
+    (ckpt / "adapter").mkdir()
+    (ckpt / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    assert check_resume_settings(load_sft_config(SFT_TINY), ckpt) == ""
+    with pytest.raises(ConfigError, match="config key 'lora.rank'"):
+        check_resume_settings(load_sft_config(SFT_TINY, ["lora.rank=4"]), ckpt)
+
+
+def test_resuming_with_another_learning_rate_or_epoch_count_says_what_changed(tmp_path):
+    from paco_ds.sft.trainer import check_resume_settings
+
+    cfg = load_sft_config(SFT_TINY)
+    ckpt = _checkpoint_with(tmp_path, cfg)
+    assert check_resume_settings(cfg, ckpt) == ""
+    changed = check_resume_settings(load_sft_config(SFT_TINY, ["train.learning_rate=1e-5",
+                                                               f"train.num_epochs={cfg.train.num_epochs + 3}"]), ckpt)
+    assert changed == (f"train.learning_rate {cfg.train.learning_rate!r} -> 1e-05, "
+                       f"train.num_epochs {cfg.train.num_epochs} -> {cfg.train.num_epochs + 3}")
