@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import logging
+import math
 import os
 import random
 import threading
@@ -137,12 +138,26 @@ class ChatClient:
                 max_completion_tokens=1, logprobs=True, top_logprobs=top_logprobs, timeout=timeout)
 
         resp = await self._with_retries("chat completion", call)
+        self.check_answer_model(resp)
         try:
             first = resp.choices[0].logprobs.content[0]
         except (AttributeError, IndexError, TypeError):
             raise RewardError(f"{self.where}: the response has no logprobs for the first token (does the server "
                               f"return logprobs, with max_logprobs >= {top_logprobs}?)") from None
-        return [(t.token, float(t.logprob)) for t in first.top_logprobs]
+        return checked_logprobs(getattr(first, "top_logprobs", None), self.where)
+
+    def check_answer_model(self, resp) -> None:
+        """An answer must come from the model asked: a server (or a proxy in front of several) that
+        answers with another model would score with the wrong judge. A dated snapshot of the name
+        asked ('gpt-4o' answered by 'gpt-4o-2024-08-06', as OpenAI names them) is the same model."""
+        got = getattr(resp, "model", None)
+        if got is None:
+            return  # the field is optional in practice (some servers omit it); nothing to compare
+        if not isinstance(got, str):
+            raise RewardError(f"{self.where}: malformed answer: field 'model' is {type(got).__name__}, not a string")
+        if got != self.model and not got.startswith(self.model + "-"):
+            raise RewardError(f"reward server {self.base_url}: asked model '{self.model}' but the answer is from "
+                              f"model '{got}'; refused (is another model served at this address?)")
 
     def close(self) -> None:
         """Cancel what is in flight (a caller blocked in `run()` gets CancelledError instead of
@@ -165,6 +180,35 @@ class ChatClient:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+
+
+# A log-probability is <= 0. Servers round (a certain token may come back as 1e-7), so a positive
+# value up to this much is read as 0; anything larger is not a probability and not a score.
+LOGPROB_ROUNDING = 1e-4
+
+
+def checked_logprobs(top, where: str) -> list[tuple[str, float]]:
+    """[(token, logprob)] of a first token's top_logprobs, every entry checked; a malformed answer
+    is a RewardError naming the endpoint and the field (an invalid answer, never a score)."""
+    field = "choices[0].logprobs.content[0].top_logprobs"
+    if not isinstance(top, (list, tuple)):
+        got = "null" if top is None else type(top).__name__
+        raise RewardError(f"{where}: malformed answer: field '{field}' is {got}, not a list")
+    out = []
+    for i, entry in enumerate(top):
+        token, lp = getattr(entry, "token", None), getattr(entry, "logprob", None)
+        if isinstance(entry, dict):
+            token, lp = entry.get("token"), entry.get("logprob")
+        if not isinstance(token, str):
+            raise RewardError(f"{where}: malformed answer: field '{field}[{i}].token' is "
+                              f"{'null' if token is None else type(token).__name__}, not a string")
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or math.isnan(lp):
+            raise RewardError(f"{where}: malformed answer: field '{field}[{i}].logprob' is {lp!r}, not a number")
+        if lp > LOGPROB_ROUNDING:
+            raise RewardError(f"{where}: invalid answer: field '{field}[{i}].logprob' is {lp!r} for token "
+                              f"{token!r}; a log-probability is <= 0")
+        out.append((token, min(float(lp), 0.0)))
+    return out
 
 
 def _message(err: Exception | None) -> str:

@@ -127,6 +127,7 @@ class _TextClient(ChatClient):
                 temperature=temperature, timeout=timeout, **extra)
 
         resp = await self._with_retries("chat completion", call)
+        self.check_answer_model(resp)
         try:
             return resp.choices[0].message.content or ""
         except (AttributeError, IndexError, TypeError):

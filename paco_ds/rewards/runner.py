@@ -91,7 +91,23 @@ class RewardRunner:
                 self.busy_seconds += time.perf_counter() - t0
         return res
 
+    def raise_if_failed(self) -> None:
+        """With `on_failure: raise`, the error of a batch already scored, at once: a judge that
+        answers nonsense stops the run at the next rollout batch, not after the epoch's sampling
+        (minutes later) when collect() would have found it."""
+        if self.spec.on_failure != "raise":
+            return
+        for _, futures in self.pending:
+            for fut in futures.values():
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    for _, others in self.pending:
+                        for other in others.values():
+                            other.cancel()
+                    self.pending = []
+                    raise fut.exception()
+
     def submit(self, images, prompts: list[str], metadata: list[dict], ref_images=None) -> None:
+        self.raise_if_failed()
         pil = to_pil(images)
         futures = {name: self.pools[name].submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
                    for name, r in self.rewards.items()}
@@ -99,6 +115,10 @@ class RewardRunner:
         if not self.overlap:
             for fut in futures.values():
                 fut.exception()  # wait here; errors surface in collect()
+
+    def in_flight(self) -> int:
+        """Submitted batches some reward is still scoring (colocated judges must not sleep then)."""
+        return sum(any(not f.done() for f in futures.values()) for _, futures in self.pending)
 
     def collect(self) -> dict[str, RewardResult]:
         """Wait for everything submitted; concatenate per reward in submission order."""

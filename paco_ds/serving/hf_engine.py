@@ -38,7 +38,8 @@ from starlette.concurrency import run_in_threadpool
 from paco_ds.dtypes import DTYPES, resolve_dtype
 from paco_ds.serving.config import API_KEY_ENV
 from paco_ds.serving.protocol import (ApiError, ChatCompletionRequest, Message, check_image_count, decode_data_uri,
-                                      install_common, parse_chat_request, read_json, serve)
+                                      guard_admin_paths, install_common, parse_chat_request, read_json,
+                                      serve)
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +368,7 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
 
     app = FastAPI(title="paco_ds hf engine", lifespan=lifespan)
     install_common(app, api_key_env)
+    guard_admin_paths(app, api_key_env, ("/sleep", "/wake_up"))  # a sleeping judge stops every run's scoring
     stats: Counter = Counter()
 
     @app.get("/health")

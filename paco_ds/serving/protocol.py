@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -24,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error",
                 413: "request_too_large", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
 
 
@@ -141,9 +143,68 @@ async def read_json(request, max_bytes: int) -> dict:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"malformed JSON body: {err}") from None
+    except RecursionError:  # the parser recurses per level: a body nested 200,000 deep is the client's error
+        raise ApiError(400, f"malformed JSON body: nested deeper than this server accepts ({MAX_JSON_DEPTH})") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the JSON body must be an object")
+    check_json_text(body)
     return body
+
+
+# A chat request is a few levels deep; anything much deeper is refused before code that walks it
+# recursively (validation, re-encoding, a forward to a backend) can hit the recursion limit.
+MAX_JSON_DEPTH = 64
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_text(body: Any) -> None:
+    """Refuse (400) a parsed JSON body nested deeper than MAX_JSON_DEPTH, or holding a string (key
+    or value) with a lone surrogate (JSON's "\\ud83d" without its pair): such a string is not
+    Unicode text and could not even be written back in an error message. Iterative: no recursion."""
+    stack = [(body, "body", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"malformed JSON body: nested deeper than this server accepts ({MAX_JSON_DEPTH})")
+        if isinstance(node, str):
+            if _LONE_SURROGATE.search(node):
+                raise ApiError(400, f"invalid request: '{where}' holds a lone UTF-16 surrogate (not Unicode text)")
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if _LONE_SURROGATE.search(k):
+                    raise ApiError(400, f"invalid request: a key of '{where}' holds a lone UTF-16 surrogate "
+                                        "(not Unicode text)")
+                stack.append((v, f"{where}.{k}" if where != "body" else k, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node))
+
+
+def is_loopback(host: str | None) -> bool:
+    import ipaddress
+
+    try:
+        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def guard_admin_paths(app, api_key_env: str | None, paths: tuple[str, ...]) -> None:
+    """Endpoints that change what the server does for everyone (sleep, wake): with a token set,
+    install_common already demands it on every path; with none, only this machine may call them
+    (403 for any other peer), so that no one on the network can put a judge to sleep."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    if api_key_env and os.environ.get(api_key_env):
+        return
+
+    @app.middleware("http")
+    async def _local_only(request: Request, call_next):
+        if request.url.path in paths and not is_loopback(request.client.host if request.client else None):
+            msg = f"{request.url.path} is refused from {request.client.host if request.client else 'an unknown peer'}: " \
+                  f"without a token (set {api_key_env or 'an API key'}) only loopback peers may call it"
+            return JSONResponse(ApiError(403, msg).body(), status_code=403)
+        return await call_next(request)
 
 
 def install_common(app, api_key_env: str | None, open_paths: tuple[str, ...] = ("/health",)) -> None:
@@ -170,9 +231,67 @@ def install_common(app, api_key_env: str | None, open_paths: tuple[str, ...] = (
         return await call_next(request)
 
 
-def serve(app, host: str, port: int, exit_with_parent: bool = False) -> None:
+# While it is the client's turn (no request yet, or one still arriving), a connection that sends
+# no byte for IDLE_TIMEOUT seconds is closed, and a request must arrive whole within
+# REQUEST_TIMEOUT seconds of its first byte: idle or half-sent connections (slow or gone clients,
+# or many opened on purpose) would otherwise be held forever. A request being answered is never
+# timed: scoring may take minutes under load.
+IDLE_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 120.0
+
+
+def timed_protocol(idle_timeout: float = IDLE_TIMEOUT, request_timeout: float = REQUEST_TIMEOUT):
+    """uvicorn's h11 protocol with the client-side timeouts above (uvicorn times out only idle
+    keep-alive connections after a response, not a new connection or a half-sent request)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    tick = max(0.05, min(1.0, idle_timeout / 4))
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._last_byte = time.monotonic()
+            self._request_start: float | None = None
+            self._watch = self.loop.call_later(tick, self._check_client)
+
+        def data_received(self, data: bytes) -> None:
+            self._last_byte = time.monotonic()
+            if self._request_start is None:
+                self._request_start = self._last_byte
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            self._last_byte, self._request_start = time.monotonic(), None  # the client's turn starts now
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._watch.cancel()
+            super().connection_lost(exc)
+
+        def _clients_turn(self) -> bool:
+            c = self.cycle
+            return c is None or c.response_complete or c.more_body
+
+        def _check_client(self) -> None:
+            if self.transport.is_closing():
+                return
+            now = time.monotonic()
+            if not self._clients_turn():
+                self._request_start = None  # received whole: the answer is ours to give, untimed
+            elif now - self._last_byte > idle_timeout or (
+                    self._request_start is not None and now - self._request_start > request_timeout):
+                self.transport.close()  # connection_lost follows and tells the app, if one is waiting
+                return
+            self._watch = self.loop.call_later(tick, self._check_client)
+
+    return TimedH11Protocol
+
+
+def serve(app, host: str, port: int, exit_with_parent: bool = False, idle_timeout: float = IDLE_TIMEOUT,
+          request_timeout: float = REQUEST_TIMEOUT) -> None:
     """Run `app` with uvicorn until SIGINT/SIGTERM. With `exit_with_parent` the server also stops
-    when the process that started it dies (a trainer killed with SIGKILL leaves no server behind)."""
+    when the process that started it dies (a trainer killed with SIGKILL leaves no server behind).
+    Idle and half-sent connections are closed (timed_protocol)."""
     import uvicorn
 
     if exit_with_parent:
@@ -185,4 +304,5 @@ def serve(app, host: str, port: int, exit_with_parent: bool = False) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                http=timed_protocol(idle_timeout, request_timeout))

@@ -1,0 +1,181 @@
+"""The built-in judge server and gateway under hostile clients (paco_ds/serving/protocol.py):
+a lone surrogate or a body nested 200,000 deep is a 400, not a 500; idle and half-sent
+connections are closed; sleep and wake need the token when one is set, and a loopback peer when
+none is.
+
+The requests under test are refused before the model is used, so the engine here is a stub; the
+timeouts are tested on a real uvicorn server in a subprocess (protocol.serve, short timeouts).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import REPO
+from paco_ds.serving import gateway, hf_engine
+from paco_ds.serving.protocol import MAX_JSON_DEPTH
+
+MODEL = "judge"
+TOKEN_ENV = "PACO_TEST_JUDGE_TOKEN"
+
+
+class StubEngine:
+    """What create_app touches before a request reaches the model; sleep/wake do nothing."""
+
+    def sleep(self, offload_dir=None) -> int:
+        return 0
+
+    def wake_up(self) -> None:
+        pass
+
+
+def _engine_app(**kw):
+    return hf_engine.create_app(StubEngine(), MODEL, api_key_env=TOKEN_ENV, **kw)
+
+
+def _gateway_app():
+    return gateway.create_app({MODEL: "http://127.0.0.1:9"}, api_key_env=TOKEN_ENV)
+
+
+CHAT = {"messages": [{"role": "user", "content": "Same?"}], "max_tokens": 1}
+
+
+def _raw(body: str) -> dict:
+    return {"content": body.encode("utf-8"), "headers": {"content-type": "application/json"}}
+
+
+@pytest.mark.parametrize("make_app", [_engine_app, _gateway_app], ids=["hf_engine", "gateway"])
+def test_a_model_name_with_a_lone_surrogate_is_a_400(make_app, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with TestClient(make_app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", **_raw(json.dumps({**CHAT, "model": "judge\ud83d"})))
+        assert r.status_code == 400, r.text
+        assert "'model' holds a lone UTF-16 surrogate" in r.json()["error"]["message"]
+        # a surrogate pair (an emoji) is ordinary text: the usual 404 for a model not served here
+        r = client.post("/v1/chat/completions", **_raw(json.dumps({**CHAT, "model": "judge\U0001F600"})))
+        assert r.status_code == 404
+
+
+@pytest.mark.parametrize("make_app", [_engine_app, _gateway_app], ids=["hf_engine", "gateway"])
+@pytest.mark.parametrize("depth", [200_000, MAX_JSON_DEPTH + 1])
+def test_a_deeply_nested_body_is_a_400(make_app, depth, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    body = '{"model": "judge", "x": ' + "[" * depth + "]" * depth + "}"
+    with TestClient(make_app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", **_raw(body))
+        assert r.status_code == 400, r.text
+        assert "nested deeper than this server accepts" in r.json()["error"]["message"]
+
+
+def test_sleep_and_wake_are_refused_to_a_remote_peer_without_a_token(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    app = _engine_app()
+    with TestClient(app, client=("10.1.2.3", 40000)) as remote:
+        for path in ("/sleep", "/wake_up"):
+            r = remote.post(path)
+            assert r.status_code == 403 and "refused from 10.1.2.3" in r.json()["error"]["message"]
+        assert remote.get("/is_sleeping").json() == {"is_sleeping": False}  # still awake
+    for host in ("127.0.0.1", "::1"):
+        with TestClient(app, client=(host, 40000)) as local:
+            assert local.post("/sleep").json()["is_sleeping"] is True
+            assert local.post("/wake_up").json()["is_sleeping"] is False
+
+
+def test_sleep_and_wake_need_the_token_when_one_is_set(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    app = _engine_app()
+    with TestClient(app, client=("127.0.0.1", 40000)) as local:
+        assert local.post("/sleep").status_code == 401  # loopback is not enough with a token set
+    with TestClient(app, client=("10.1.2.3", 40000), headers={"authorization": "Bearer s3cret"}) as remote:
+        assert remote.post("/sleep").json()["is_sleeping"] is True
+        assert remote.post("/wake_up").json()["is_sleeping"] is False
+
+
+_SERVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from fastapi import FastAPI, Request
+from paco_ds.serving.protocol import serve
+
+app = FastAPI()
+
+@app.post("/echo")
+async def echo(request: Request):
+    return {{"n": len(await request.body())}}
+
+serve(app, "127.0.0.1", {port}, idle_timeout=1.0, request_timeout=3.0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER.format(repo=str(REPO), port=port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.2)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):  # a 400/408-style reply may come first; then EOF
+            pass
+        return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_half_sent_connections_are_closed(server):
+    idle = [socket.create_connection(("127.0.0.1", server)) for _ in range(200)]
+    half = socket.create_connection(("127.0.0.1", server))
+    half.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123")  # 4 of 100 bytes
+    assert all(_closed_by_server(s, 10) for s in idle)
+    assert _closed_by_server(half, 10)
+    for s in idle + [half]:
+        s.close()
+    # a slowloris (a header byte every 0.3 s, inside the 1 s idle timeout) hits the 3 s request timeout
+    with socket.create_connection(("127.0.0.1", server)) as slow:
+        slow.sendall(b"POST /echo HTTP/1.1\r\nX-Slow: ")
+        t0, closed = time.monotonic(), False
+        while time.monotonic() - t0 < 10 and not closed:
+            try:
+                slow.sendall(b"a")
+            except OSError:
+                break
+            closed = _closed_by_server(slow, 0.3)
+        assert 2.5 < time.monotonic() - t0 < 6
+    # a whole request is still answered, and keep-alive within the timeout works
+    with socket.create_connection(("127.0.0.1", server)) as ok:
+        for _ in range(2):
+            ok.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            ok.settimeout(5)
+            got = b""
+            while b'{"n":3}' not in got:
+                chunk = ok.recv(4096)
+                assert chunk, f"closed after {got!r}"
+                got += chunk
+            time.sleep(0.3)
