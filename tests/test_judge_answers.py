@@ -172,3 +172,35 @@ def test_a_failed_batch_stops_the_next_submit_not_the_end_of_the_epoch(judge):
         assert time.monotonic() - t0 < 20 and runner.pending == []
     finally:
         runner.close()
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # the stopped loop's queue
+def test_a_reward_thread_never_waits_forever_on_a_closed_client(judge):
+    """A reward thread that hands work to the client while the run closes it (the error path of a
+    run) must return, or the interpreter's exit, which joins the reward threads, never ends."""
+    import asyncio
+    import concurrent.futures
+
+    from paco_ds.rewards.client import ChatClient
+
+    client = ChatClient(judge.url, MODEL)
+    # the interleaving of a close: the loop has stopped, close() has not finished
+    client._loop.call_soon_threadsafe(client._loop.stop)
+    client._thread.join(timeout=5)
+    outcome = {}
+
+    def caller():
+        try:
+            client.run([asyncio.sleep(0)])
+        except BaseException as err:  # noqa: BLE001 - what it ends with is the point
+            outcome["error"] = type(err).__name__
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    time.sleep(0.3)
+    client._closing = True  # what close() sets first
+    thread.join(timeout=5)
+    assert not thread.is_alive() and outcome == {"error": "CancelledError"}
+    client._loop.close()
+    with pytest.raises(concurrent.futures.CancelledError, match=f"reward server {judge.url}.*the client is closed"):
+        client.run([asyncio.sleep(0)])  # after close: at once

@@ -11,6 +11,7 @@ serves, so a misspelled model is an error at start-up, not minutes of retries sc
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import difflib
 import logging
 import math
@@ -52,6 +53,7 @@ class ChatClient:
                  retry: RetryPolicy = RetryPolicy()):
         self.base_url, self.model, self.retry = base_url.rstrip("/"), model, retry
         self.where = f"reward server {self.base_url} (model '{model}')"
+        self._closing = False  # set by close(): callers of run() stop waiting on the loop
         self._latencies: list[float] = []  # seconds per answered request, until take_latencies()
         self._latency_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -68,11 +70,27 @@ class ChatClient:
 
     # ---------------------------------------------------------------------------------- running
     def run(self, coros: Sequence[Awaitable], return_exceptions: bool = False) -> list:
-        """Run coroutines concurrently on the client's loop and wait for all of them."""
+        """Run coroutines concurrently on the client's loop and wait for all of them.
+
+        A caller that arrives while or after the client closes gets CancelledError: its coroutine
+        would be queued on a loop that no longer runs, and waiting on it would block forever, and
+        with it the interpreter's exit (it joins the reward threads): a run that had printed its
+        error would then never end."""
         async def gather():
             return await asyncio.gather(*coros, return_exceptions=return_exceptions)
 
-        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+        if self._closing or self._loop.is_closed():
+            for c in coros:
+                getattr(c, "close", lambda: None)()  # never awaited: no "coroutine was never awaited" warning
+            raise concurrent.futures.CancelledError(f"{self.where}: the client is closed")
+        fut = asyncio.run_coroutine_threadsafe(gather(), self._loop)
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self._closing and not self._loop.is_running():
+                    fut.cancel()
+                    raise concurrent.futures.CancelledError(f"{self.where}: the client is closed") from None
 
     async def _with_retries(self, what: str, call: Callable[[float], Awaitable[Any]], timed: bool = True) -> Any:
         """`timed`: the answered attempt's latency goes to take_latencies() (scoring requests)."""
@@ -164,6 +182,7 @@ class ChatClient:
         waiting forever on a stopped loop), close the connections, stop the loop thread."""
         if self._loop.is_closed():
             return
+        self._closing = True
 
         async def shutdown():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
