@@ -45,6 +45,8 @@ setup(
         "fastapi>=0.110",
         "starlette>=0.36",  # imported directly (run_in_threadpool); fastapi's own dependency
         "uvicorn>=0.29",
+        # The OCR reward's recogniser: PP-OCRv4 as ONNX, the models inside the wheel (runs offline).
+        "rapidocr_onnxruntime>=1.3,<2; python_version < '3.13'",
     ],
     extras_require={
         "serve": ["vllm>=0.8"],

@@ -17,10 +17,15 @@ REWARDS: dict[str, str] = {
     "subfig_clipT": "paco_ds.rewards.subfig_clipT:SubfigClipT",
     "pickscore": "paco_ds.rewards.pickscore:PickScore",
     "clip_i": "paco_ds.rewards.clip_i:ClipI",  # editing: reference vs edit
+    "ocr": "paco_ds.rewards.ocr:OcrReward",  # Flow-GRPO's rewards (docs/rewards.md)
+    "aesthetic": "paco_ds.rewards.aesthetic:Aesthetic",
+    "imagereward": "paco_ds.rewards.imagereward:ImageReward",
     # remote, through an OpenAI-compatible reward server
     "consistency_score": "paco_ds.rewards.consistency:ConsistencyScore",
     "consistency_for_editing": "paco_ds.rewards.consistency:ConsistencyForEditing",
     "edit_score": "paco_ds.rewards.edit_score:EditScore",
+    "vlm_score": "paco_ds.rewards.vlm_score:VlmScore",  # Flow-GRPO's qwenvl, deqa, unifiedreward prompts
+    "geneval": "paco_ds.rewards.geneval:GenEval",  # Flow-GRPO's reward-server protocol
 }
 
 
