@@ -20,6 +20,8 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="validate, print every command for every host, exit")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="with --dry-run: also plan device memory and FLOPs per trainer rank on GPUs of this many GiB")
     return p.parse_args(argv)
 
 
@@ -28,7 +30,8 @@ def main(argv=None):
     with exit_on_user_error("cluster"):
         from paco_ds.cluster import main as run
 
-        code = run(args.hostfile, args.config, args.overrides, args.dry_run, args.resume, args.master_port)
+        code = run(args.hostfile, args.config, args.overrides, args.dry_run, args.resume, args.master_port,
+                   gpu_memory=args.gpu_memory)
     raise SystemExit(code)
 
 

@@ -16,6 +16,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, print the epoch plan, exit")
     p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for this many processes")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="with --dry-run: also plan device memory and FLOPs per rank on GPUs of this many GiB, "
+                        "from the real code path on fake CUDA tensors (docs/gpu_plan.md)")
     p.add_argument("--export-lora", default=None, metavar="CKPT",
                    help="export the LoRA of a checkpoint ('latest' or a directory) in diffusers format and exit")
     return p.parse_args(argv)
@@ -29,6 +32,8 @@ def main(argv=None):
         if args.world_size is not None and not args.dry_run:
             raise UserError("--world-size plans a --dry-run only; a run's world size is the launcher's "
                             "(deepspeed --num_gpus N)")
+        if args.gpu_memory is not None and not args.dry_run:
+            raise UserError("--gpu-memory plans a --dry-run only")
         if args.world_size is not None and args.world_size < 1:
             raise UserError(f"--world-size must be >= 1 (got {args.world_size})")
         cfg = load_config(args.config, args.overrides)
@@ -37,6 +42,10 @@ def main(argv=None):
 
             world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
             print(describe(cfg, *check_recipe(cfg, world)))
+            if args.gpu_memory is not None:
+                from paco_ds.gpu_plan import print_plan
+
+                print_plan(cfg, world, args.gpu_memory)
             if args.resume:  # the checkpoint a run would resume, verified as the run will
                 from paco_ds.checkpoint import CheckpointManager
 

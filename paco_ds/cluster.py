@@ -504,7 +504,7 @@ def describe_plan(p: Placement, hostfile: Path, servers, cluster: ClusterConfig,
 
 
 def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False, resume: str | None = None,
-         master_port: int = 29500, log=print) -> int:
+         master_port: int = 29500, log=print, gpu_memory: float | None = None) -> int:
     from paco_ds.grpo.plan import check_recipe, describe, load_config
 
     cfg = load_config(config, overrides)
@@ -523,6 +523,10 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
         log(describe_plan(p, Path(hostfile), cfg.reward_servers, cluster, argv, env, bind))
         log("")
         log(describe(cfg, *plan))
+        if gpu_memory is not None:  # per trainer rank, with the judges placed as this run places them
+            from paco_ds.gpu_plan import print_plan
+
+            print_plan(cfg.model_copy(update={"cluster": cluster}), p.world_size, gpu_memory, log)
         return 0
     c = Cluster(p, cfg.reward_servers, cluster, cfg.run_dir, log)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
