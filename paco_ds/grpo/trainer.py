@@ -148,6 +148,7 @@ class GRPOTrainer:
             log.info("run directory: %s", self.run_dir)
         while self.epoch < cfg.train.num_epochs:
             metrics = {"epoch": self.epoch} | self._colocated_judges(wake=True)
+            self.policy.park_text_encoders(False)  # evaluation and sampling encode prompts
             if _due(self.epoch, cfg.test.eval_freq):
                 metrics |= self.evaluate()
             if _due(self.epoch, cfg.checkpoint.save_freq) and not resumed:
@@ -156,6 +157,7 @@ class GRPOTrainer:
             t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
             samples = self.sample_epoch()
             t_sample = time.perf_counter() - t0
+            self.policy.park_text_encoders(True)  # the epoch's embeddings are cached: off the GPU until next epoch
             metrics |= self.score_epoch(samples)
             t_reward = time.perf_counter() - t0 - t_sample
             metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
@@ -172,6 +174,7 @@ class GRPOTrainer:
         final = {"epoch": self.epoch}
         if _due(self.epoch, cfg.test.eval_freq):
             final |= self._colocated_judges(wake=True)
+            self.policy.park_text_encoders(False)
             final |= self.evaluate()
             self.logger.log(final, step=self.epoch)
         if cfg.checkpoint.save_freq:

@@ -54,6 +54,15 @@ class PartialRewardError(RewardError):
         return result
 
 
+def model_dtype(device):
+    """The dtype of a local reward model (CLIP-H, PickScore) on `device`: bf16 on a GPU, where fp32
+    would keep two 1B-parameter towers at 7.3 GiB per rank (docs/gpu_plan.md); fp32 on a CPU,
+    where bf16 matmuls are slow. Similarities are taken in fp32 either way."""
+    import torch
+
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 class Reward:
     """Subclasses implement `score`; `remote` rewards talk to a reward server."""
 

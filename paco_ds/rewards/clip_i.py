@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, reference_images
+from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, model_dtype, reference_images
 
 
 class ClipI(Reward):
@@ -28,7 +28,8 @@ class ClipI(Reward):
         else:
             self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
         self.device = torch.device(device)
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.dtype = model_dtype(self.device)
+        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.batch_size = batch_size
         self.cache = LRUCache(cache_size)  # image digest -> normalised embedding (CPU)
 
@@ -36,7 +37,7 @@ class ClipI(Reward):
     def _embed(self, images) -> list[torch.Tensor]:
         out = []
         for i in range(0, len(images), self.batch_size):
-            x = torch.stack([self.preprocess(im) for im in images[i:i + self.batch_size]]).to(self.device)
+            x = torch.stack([self.preprocess(im) for im in images[i:i + self.batch_size]]).to(self.device, self.dtype)
             out += list(torch.nn.functional.normalize(self.model.encode_image(x).float(), dim=-1).cpu())
         return out
 

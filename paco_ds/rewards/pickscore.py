@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import Reward, RewardResult
+from paco_ds.rewards.base import Reward, RewardResult, model_dtype
 
 PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 MODEL = "yuvalkirstain/PickScore_v1"
@@ -28,7 +28,8 @@ class PickScore(Reward):
             self.processor = AutoProcessor.from_pretrained(processor)
             self.model = CLIPModel.from_pretrained(model)
         self.device = torch.device(device)
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.dtype = model_dtype(self.device)
+        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.batch_size = batch_size
 
     @torch.no_grad()
@@ -36,7 +37,7 @@ class PickScore(Reward):
         out: list[float] = []
         for i in range(0, len(images), self.batch_size):
             ims, txt = images[i:i + self.batch_size], prompts[i:i + self.batch_size]
-            pix = self.processor(images=ims, return_tensors="pt")["pixel_values"].to(self.device)
+            pix = self.processor(images=ims, return_tensors="pt")["pixel_values"].to(self.device, self.dtype)
             tok = self.processor(text=txt, padding=True, truncation=True, max_length=77, return_tensors="pt").to(self.device)
             fi = self.model.get_image_features(pixel_values=pix)
             ft = self.model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest
+from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, model_dtype
 from paco_ds.sampling.grid import grid_shape, split_panels, split_prompt
 
 
@@ -29,7 +29,8 @@ class SubfigClipT(Reward):
             self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
         self.tokenizer = open_clip.get_tokenizer(model)
         self.device = torch.device(device)
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.dtype = model_dtype(self.device)
+        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.batch_size = batch_size
         self.cache = LRUCache(cache_size)
 
@@ -37,7 +38,7 @@ class SubfigClipT(Reward):
     def _similarities(self, panels, texts) -> list[float]:
         out = []
         for i in range(0, len(panels), self.batch_size):
-            ims = torch.stack([self.preprocess(p) for p in panels[i:i + self.batch_size]]).to(self.device)
+            ims = torch.stack([self.preprocess(p) for p in panels[i:i + self.batch_size]]).to(self.device, self.dtype)
             toks = self.tokenizer(texts[i:i + self.batch_size]).to(self.device)
             fi = torch.nn.functional.normalize(self.model.encode_image(ims).float(), dim=-1)
             ft = torch.nn.functional.normalize(self.model.encode_text(toks).float(), dim=-1)
