@@ -60,5 +60,11 @@ cluster-test-setup:
 test-cluster: setup cluster-test-setup
 	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -p no:cacheprovider tests/cluster
 
+# Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
+# the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece.
+.PHONY: test-plan
+test-plan: setup
+	PACO_TEST_PLAN=1 $(PY) -m pytest -q -p no:cacheprovider tests/plan
+
 clean:
 	rm -rf runs build *.egg-info

@@ -124,21 +124,15 @@ def qwen_edit_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:
     with a processor of the real image geometry (the offline byte-level tokenizer, whose special
     token ids the model config takes; the vocabulary keeps its real size)."""
     from diffusers import AutoencoderKLQwenImage
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
+                              Qwen2VLVideoProcessor)
 
-    from paco_ds.models.tiny import QWEN2_VL_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, qwen_tokenizer
+    from paco_ds.models.tiny import QWEN2_VL_CHAT_TEMPLATE
 
-    tok = qwen_tokenizer()
-    ids = {n: tok.convert_tokens_to_ids(n) for n in QWEN_SPECIAL_TOKENS}
+    tok, config = qwen_vl_config()
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS),
         video_processor=Qwen2VLVideoProcessor(**QWEN_VL_PIXELS), tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(QWEN2_5_VL_7B_TEXT, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"]),
-        vision_config=QWEN2_5_VL_7B_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     vae = _empty(lambda: AutoencoderKLQwenImage(**QWEN_IMAGE_VAE))
     text_encoder = _empty(lambda: Qwen2_5_VLForConditionalGeneration(config))
     to_fake_cuda(mode, vae, dtype)
@@ -147,6 +141,23 @@ def qwen_edit_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:
     mode.track_module(text_encoder, "text encoders")
     return {"vae": vae, "text_encoder": text_encoder, "processor": processor,
             "scheduler_config": dict(QWEN_IMAGE_SCHEDULER)}
+
+
+def qwen_vl_config():
+    """The offline byte-level Qwen tokenizer and Qwen2.5-VL-7B's config with that tokenizer's special
+    token ids (the vocabulary keeps its real size, so every weight has its real shape)."""
+    from transformers import Qwen2_5_VLConfig
+
+    from paco_ds.models.tiny import QWEN_SPECIAL_TOKENS, qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    ids = {n: tok.convert_tokens_to_ids(n) for n in QWEN_SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(QWEN2_5_VL_7B_TEXT, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"]),
+        vision_config=QWEN2_5_VL_7B_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return tok, config
 
 
 # ------------------------------------------------------------------------------------ reward models

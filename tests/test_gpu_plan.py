@@ -1,0 +1,91 @@
+"""The GPU plan's machinery, fast: fake CUDA tensors, their device checks and memory count, the
+full-size FLUX.1-dev transformer built from the repo's config, and the CLI's input checks.
+The full-size plans of the paper recipes (minutes each) are tests/plan/ (make test-plan)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY, one_line_error, run_cli
+
+
+@pytest.fixture
+def mode():
+    from paco_ds.gpu_plan.fake import FakeCuda
+
+    return FakeCuda()
+
+
+def test_flux_dev_transformer_counts_its_parameters():
+    from paco_ds.gpu_plan.models import count, flux_transformer
+
+    t = flux_transformer()
+    assert count(t) == 11_901_408_320
+    assert next(t.parameters()).device.type == "meta"  # nothing materialised
+
+
+def test_device_tensors_are_fake_and_host_tensors_real(mode):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with mode:
+        host = torch.arange(4.0) * 2
+        dev = host.to("cuda")
+    assert not isinstance(host, FakeTensor) and host.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert isinstance(dev, FakeTensor) and dev.device.type == "cuda"
+
+
+def test_host_device_mix_raises_as_on_a_gpu(mode):
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    with mode:
+        dev = torch.zeros(8, 4, device="cuda")
+        assert (dev + torch.tensor(1.0)).device.type == "cuda"  # a 0-dim host scalar is allowed on GPUs too
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            dev + torch.ones(8, 4)
+
+
+def test_small_device_values_read_back_and_large_ones_are_nan(mode):
+    with mode:
+        mask = torch.tensor([1, 1, 0, 1], device="cuda").bool()
+        assert int(mask.sum()) == 3
+        picked = torch.zeros(4, 2, device="cuda")[mask]  # boolean-mask indexing: data-dependent shape
+        assert tuple(picked.shape) == (3, 2)
+        big = torch.zeros(1 << 17, device="cuda")
+        assert float(big.sum()) != float(big.sum())  # NaN: no host copy of a large tensor
+    assert mode.ignored == 2
+
+
+def test_memory_peak_and_tags(mode):
+    with mode, mode.measure("phase") as phase:
+        a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        with mode.tagged("other"):
+            b = torch.empty(1 << 19, dtype=torch.uint8, device="cuda")
+        del a, b
+        c = torch.empty(1 << 18, dtype=torch.uint8, device="cuda")
+    assert phase.peak == (1 << 20) + (1 << 19)
+    assert phase.at_peak == {"activations": 1 << 20, "other": 1 << 19}
+    assert mode.total == c.untyped_storage().nbytes() == 1 << 18
+
+
+def test_sde_step_with_a_host_tensor_in_its_inputs_is_caught(mode):
+    import kernels
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    with mode:
+        x = torch.zeros(1, 1024, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.zeros_like(x)
+        step = kernels.sde_step(x, v, 0.94, 0.88, 0.7, 0.94, noise=torch.zeros(1, 1024, 64, device="cuda"),
+                                backend="torch")
+        assert step.log_prob.device.type == "cuda" and step.log_prob.shape == (1,)
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            kernels.sde_step(x, v, 0.94, 0.88, 0.7, 0.94, noise=torch.zeros(1, 1024, 64), backend="torch")
+
+
+def test_gpu_memory_needs_dry_run():
+    proc = run_cli("launch/train.py", "--config", str(TINY), "--gpu-memory", "80")
+    assert "--gpu-memory plans a --dry-run only" in one_line_error(proc)
+
+
+def test_gpu_memory_refuses_the_tiny_model():
+    proc = run_cli("launch/train.py", "--config", str(TINY), "--dry-run", "--world-size", "2", "--gpu-memory", "80")
+    assert "model.tiny" in one_line_error(proc)
