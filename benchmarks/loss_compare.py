@@ -1,4 +1,4 @@
-"""PPO-clip vs GRPO-Guard vs Flow-GRPO-Fast vs DiffusionNFT on the tiny T2IS recipe, same images.
+"""PPO-clip vs GRPO-Guard vs Flow-GRPO-Fast vs DiffusionNFT vs AWM on the tiny T2IS recipe, same images.
 
 Every method runs the real trainer (deepspeed launcher, 2 ZeRO-3 CPU processes) from its tiny
 recipe with one learnable reward, jpeg_compressibility, the same seeds, the same prompts per epoch,
@@ -11,11 +11,18 @@ time/epoch: sampling + reward + training, no start-up, no eval). Prints a table,
 benchmarks/results/loss_compare_cpu.json and the reward-vs-images curves (mean +- std over seeds)
 as loss_compare_cpu.png.
 
-    python benchmarks/loss_compare.py                      # 4 methods x 3 seeds, about 20 min on 2 cores
+    python benchmarks/loss_compare.py                      # 5 methods x 3 seeds, about 25 min on 2 cores
+    python benchmarks/loss_compare.py --methods awm --merge  # one method, merged into the results file
+
+`--merge` runs only the given methods and replaces their runs in the existing results (the other
+methods' runs are kept, so every method still has the same seeds, epochs and images; settings
+that differ are refused); the table and figure are rebuilt from all runs, and each part's command,
+date and machine are kept under "parts".
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -34,6 +41,7 @@ METHODS = {  # name -> (tiny recipe, extra --set)
     "grpo_guard": ("configs/tiny/t2is_guard.yaml", ()),
     "fast_window": ("configs/tiny/t2is_fast.yaml", ()),
     "nft": ("configs/tiny/t2is_nft.yaml", ()),
+    "awm": ("configs/tiny/t2is_awm.yaml", ()),
 }
 REWARD = "jpeg_compressibility"
 
@@ -77,8 +85,12 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--last", type=int, default=2, help="reward after N images: mean over the last LAST epochs")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--merge", action="store_true", help="replace only these methods' runs in the existing results")
     args = p.parse_args()
     started = machine()
+    out = Path(args.out)
+    previous = _previous(out / "loss_compare_cpu.json", args) if args.merge else None
+    ran = list(args.methods)
     runs = []
     with tempfile.TemporaryDirectory(prefix="loss_compare_") as root:
         for seed in args.seeds:  # seeds outer: a slow machine phase hits every method alike
@@ -88,6 +100,16 @@ def main() -> None:
                 print(f"{m:12s} seed {seed}: reward {r['train_reward'][0]:.3f} -> {r['train_reward'][-1]:.3f}, "
                       f"{r['epoch_seconds']:.0f}s", flush=True)
     n_images = args.epochs * args.prompts * args.group_size
+    parts = []
+    if previous is not None:
+        kept = [m for m in previous["settings"]["recipes"] if m not in args.methods]
+        runs = [r for r in previous["runs"] if r["method"] in kept] + runs
+        parts = previous.get("parts") or [{"methods": list(previous["settings"]["recipes"]),
+                                           **{k: previous[k] for k in ("command", "date", "machine")}}]
+        for part in parts:
+            part["methods"] = [m for m in part["methods"] if m not in args.methods]
+        parts = [part for part in parts if part["methods"]]
+        args.methods = kept + args.methods
     table = []
     for m in args.methods:
         rs = [r for r in runs if r["method"] == m]
@@ -96,27 +118,52 @@ def main() -> None:
         gain = _ms([statistics.mean(r["train_reward"][-args.last:]) - r["train_reward"][0] for r in rs])
         ev = _ms([r["eval_after"] - r["eval_before"] for r in rs if r["eval_after"] is not None])
         spi = _ms([r["epoch_seconds"] / n_images for r in rs])
+        # gain per 1000 images and per minute of epoch time (sampling + reward + training), per seed
+        gpi = _ms([1000 * (statistics.mean(r["train_reward"][-args.last:]) - r["train_reward"][0]) / n_images
+                   for r in rs])
+        gps = _ms([60 * (statistics.mean(r["train_reward"][-args.last:]) - r["train_reward"][0]) / r["epoch_seconds"]
+                   for r in rs])
         table.append({"method": m, "seeds": len(rs), "images": n_images, "reward_first_epoch": first,
                       "reward_last_epochs": last, "gain": gain, "eval_gain": ev, "seconds_per_image": spi,
+                      "gain_per_1k_images": gpi, "gain_per_minute": gps,
                       "forwards_per_trained_step": rs[0]["forwards_per_step"],
                       "sde_logprob_rows_per_rank_epoch": rs[0]["sde_logprob_rows_per_rank"][0]})
     fmt = lambda ms, d=3, sign="+": f"{ms[0]:{sign}.{d}f} +- {ms[1]:.{d}f}"
     print(f"\nreward = mean {REWARD} of an epoch's sampled images; after {n_images} images = mean of the last "
           f"{args.last} epochs; mean +- std over seeds {args.seeds}")
     print(f"{'method':12s} {'first epoch':>16s} {'after N images':>16s} {'gain':>16s} {'eval gain':>16s} "
-          f"{'s/image':>14s} {'fwd/step':>8s} {'SDE lp/epoch':>12s}")
+          f"{'s/image':>14s} {'gain/1k img':>16s} {'gain/min':>16s} {'fwd/step':>8s} {'SDE lp/epoch':>12s}")
     for t in table:
         print(f"{t['method']:12s} {fmt(t['reward_first_epoch']):>16s} {fmt(t['reward_last_epochs']):>16s} "
               f"{fmt(t['gain']):>16s} {fmt(t['eval_gain']):>16s} {fmt(t['seconds_per_image'], 2, ''):>14s} "
+              f"{fmt(t['gain_per_1k_images'], 2):>16s} {fmt(t['gain_per_minute'], 3):>16s} "
               f"{t['forwards_per_trained_step']:>8.1f} {t['sde_logprob_rows_per_rank_epoch']:>12.0f}")
-    out = Path(args.out)
     png = out / "loss_compare_cpu.png"
     _plot(runs, args.methods, png, n_images)
     info = {"settings": {"epochs": args.epochs, "prompts_per_epoch": args.prompts, "group_size": args.group_size,
                          "seeds": args.seeds, "reward": REWARD, "world_size": 2, "last_epochs": args.last,
                          "recipes": {m: METHODS[m][0] for m in args.methods}},
             "table": table, "runs": runs, "figure": png.name}
+    if previous is not None:
+        from datetime import datetime, timezone
+
+        command = " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+        info["parts"] = parts + [{"methods": ran, "command": command, "machine": started,
+                                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
     print(f"wrote {write_report('loss_compare_cpu', info, out, started)} and {png}")
+
+
+def _previous(path: Path, args) -> dict:
+    """The results to merge into; the same settings, or a SystemExit naming the one that differs."""
+    if not path.exists():
+        raise SystemExit(f"--merge: {path} does not exist (run all methods first)")
+    prev = json.loads(path.read_text())
+    mine = {"epochs": args.epochs, "prompts_per_epoch": args.prompts, "group_size": args.group_size,
+            "seeds": args.seeds, "reward": REWARD, "world_size": 2, "last_epochs": args.last}
+    for key, value in mine.items():
+        if prev["settings"].get(key) != value:
+            raise SystemExit(f"--merge: {path} has {key}={prev['settings'].get(key)!r}, this run {value!r}")
+    return prev
 
 
 def _plot(runs, methods, path: Path, n_images: int) -> None:
