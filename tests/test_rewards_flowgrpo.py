@@ -129,6 +129,42 @@ def test_imagereward_standardised_head_on_the_cross_attended_text_token():
     assert r([black], [prompts[0]]).scores[0] != r([white], [prompts[0]]).scores[0]
 
 
+def _blip_names(key: str) -> str:
+    """transformers' BlipVisionModel name -> BLIP's own ViT name (salesforce/BLIP models/vit.py), by hand."""
+    fixed = {"embeddings.class_embedding": "cls_token", "embeddings.position_embedding": "pos_embed",
+             "embeddings.patch_embedding.weight": "patch_embed.proj.weight",
+             "embeddings.patch_embedding.bias": "patch_embed.proj.bias",
+             "post_layernorm.weight": "norm.weight", "post_layernorm.bias": "norm.bias"}
+    if key in fixed:
+        return fixed[key]
+    return (key.replace("encoder.layers.", "blocks.").replace("layer_norm1", "norm1").replace("layer_norm2", "norm2")
+            .replace("self_attn.projection", "attn.proj").replace("self_attn.qkv", "attn.qkv"))
+
+
+def test_imagereward_loads_a_checkpoint_in_the_released_naming(tmp_path):
+    from paco_ds.rewards.imagereward import from_checkpoint, load_checkpoint, tiny_blip
+
+    vision, text, _, head, _ = tiny_blip(seed=3)
+    state = {**{f"blip.visual_encoder.{_blip_names(k)}": v for k, v in vision.state_dict().items()},
+             **{f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()},
+             **{f"mlp.{k}": v for k, v in head.state_dict().items()},
+             "blip.vision_proj.weight": torch.zeros(2, 2)}  # BLIP_Pretrain's other parts are ignored
+    assert "blip.visual_encoder.blocks.0.attn.qkv.weight" in state and "blip.visual_encoder.cls_token" in state
+    torch.save(state, tmp_path / "ImageReward.pt")
+    v2, t2, h2 = from_checkpoint(load_checkpoint(str(tmp_path / "ImageReward.pt")), vision_heads=2, text_heads=2,
+                                 image_size=32)
+    pix, ids = torch.randn(2, 3, 32, 32), torch.randint(0, 1000, (2, 35))
+    with torch.no_grad():
+        for m in (vision, text, head, v2, t2, h2):
+            m.eval()
+        e, e2 = vision(pixel_values=pix).last_hidden_state, v2(pixel_values=pix).last_hidden_state
+        assert torch.equal(e, e2)
+        r = head(text(ids, encoder_hidden_states=e).last_hidden_state[:, 0])
+        assert torch.allclose(r, h2(t2(ids, encoder_hidden_states=e2).last_hidden_state[:, 0]), atol=1e-6)
+    with pytest.raises(ConfigError, match="imagereward.model: the checkpoint has no blip.visual_encoder"):
+        from_checkpoint({"something": torch.zeros(1)})
+
+
 # ---------------------------------------------------------------------------------------------- loopback servers
 def _serve(handler_cls):
     """A threaded HTTP server on the first free port of 18800-18899 (this suite's range)."""
