@@ -241,7 +241,7 @@ def geneval_server():
     srv.server_close()
 
 
-def test_geneval_client_speaks_flow_grpo_protocol(geneval_server):
+def test_geneval_client_speaks_flow_grpo_protocol(geneval_server, tmp_path):
     r = build_reward("geneval", {"base_url": geneval_server, "batch_size": 2, "jpeg_quality": 95})
     shades = [Image.new("RGB", (32, 32), (v, v, v)) for v in (40, 200, 150, 250, 90)]
     meta = [GENEVAL_META[i % 3] for i in range(5)]
@@ -253,6 +253,15 @@ def test_geneval_client_speaks_flow_grpo_protocol(geneval_server):
     assert np.allclose(res.scores, [v / 255 for v in (40, 200, 150, 250, 90)], atol=0.01)
     assert res.parts["strict"].tolist() == [0.0, 1.0, 1.0, 1.0, 0.0] and "correct" not in res.parts
     assert len(r.take_latencies()) == 3
+    # GenEval's metadata file (one JSON record per prompt) read as a prompt file: each record reaches the server.
+    from paco_ds.data.prompts_io import load_prompts
+
+    path = tmp_path / "geneval.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in GENEVAL_META))
+    items = load_prompts(path, "t2is")
+    r(shades[:3], [it.prompt for it in items], [it.metadata for it in items])
+    assert _GenEvalServer.requests[-2]["meta_datas"] == GENEVAL_META[:2]
+    assert _GenEvalServer.requests[-1]["meta_datas"] == GENEVAL_META[2:]
     loose = build_reward("geneval", {"base_url": geneval_server, "only_strict": False})
     out = loose(shades[:1], ["p"], meta[:1])
     assert _GenEvalServer.requests[-1]["only_strict"] is False and out.parts["correct"].tolist() == [1.0]
