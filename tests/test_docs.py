@@ -104,8 +104,12 @@ def _prose_lines(f: Path) -> set[int]:
 
 
 def _exists_or_output(path: str) -> bool:
-    """In the repository, or a place the code writes to (git-ignored, e.g. tests/gpu/results)."""
+    """In the repository, or a place the code writes to: a benchmark's results/ folder (a result
+    appears there once the benchmark ran) or a git-ignored path (e.g. tests/gpu/results)."""
     if (REPO / path).exists() or list(REPO.glob(path + "*")):
+        return True
+    parts = path.split("/")
+    if "results" in parts and (REPO / "/".join(parts[:parts.index("results")])).is_dir():
         return True
     return any(subprocess.run(["git", "check-ignore", "-q", p], cwd=REPO).returncode == 0 for p in (path, path + "/"))
 
