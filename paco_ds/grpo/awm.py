@@ -166,10 +166,9 @@ class AWM(Loss):
         log_p = partial(matching_log_prob, target=target, t=sig, weighting=a.weighting, power=a.ghuber_power)
 
         # The no-grad forwards run before the one with grad: they swap other weights into the
-        # parameters (restored after), which must not happen under a live graph. Every micro-step
-        # runs the same forwards (the old one too before the epoch's first optimizer step, where
-        # it equals the current value): a resumed run then repeats the uninterrupted one bit for
-        # bit; with a forward pattern that changed within the epoch, ZeRO-3 runs differed in round-off.
+        # parameters (restored after), which must not happen under a live graph. With several
+        # optimizer steps per epoch the old forward runs in every micro-step (before the first
+        # step it equals the current value), so every micro-step runs the same forwards.
         old = None
         if self.old is not None:
             with torch.no_grad(), self.old.swapped_in():
