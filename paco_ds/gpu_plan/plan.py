@@ -108,16 +108,30 @@ def _pass_config(cfg: Config) -> tuple[Config, int]:
         update["sample"] = cfg.sample.model_copy(update={"num_steps": steps, "noise_steps": [first]})
         if cfg.train.timesteps is not None:
             update["train"] = cfg.train.model_copy(update={"timesteps": [first]})
-    if not _fused_ops_run_fake():
+    if not _fused_ops_run_fake(cfg.kernels.backend):
         update["kernels"] = cfg.kernels.model_copy(update={"backend": "torch"})
     return cfg.model_copy(update=update), steps
 
 
-def _fused_ops_run_fake() -> bool:
-    """Whether kernels/ registers its ops as torch custom ops with fake implementations."""
+def _fused_ops_run_fake(backend: str) -> bool:
+    """Whether the recipe's kernel backend runs on fake CUDA tensors (ops registered with fake
+    implementations do; a bare Triton launch does not): tried on a small SDE step and PPO loss."""
+    if backend == "torch":
+        return True
     import kernels
 
-    return bool(getattr(kernels, "CUSTOM_OPS", False))
+    from paco_ds.gpu_plan.fake import FakeCuda
+
+    try:
+        with FakeCuda():
+            x = torch.zeros(1, 16, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            step = kernels.sde_step(x, x, 0.9, 0.8, 0.7, 0.9, noise=torch.zeros(1, 16, 4, device="cuda"),
+                                    backend=backend)
+            lp = torch.zeros(1, device="cuda")
+            kernels.ppo_clip_loss(step.log_prob, lp, lp, 1e-4, 5.0, backend=backend)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: plan with the torch reference
+        return False
 
 
 def _zero(ds: dict) -> dict:
@@ -143,11 +157,16 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     if cfg.model.tiny:
         raise ValueError("model.tiny: true builds the tiny offline model; a GPU plan is for the full-size one")
     run_cfg, pass_steps = _pass_config(cfg)
+    if run_cfg.kernels.backend != cfg.kernels.backend:
+        notes_kernels = [f"kernels.backend {cfg.kernels.backend!r} does not run on fake tensors here: the pass "
+                         "used the torch reference (same shapes, FLOPs within the fused ops' arithmetic)"]
+    else:
+        notes_kernels = []
     device = torch.device("cuda", 0)
     dtype = resolve_dtype(cfg.model.dtype, device)
     family = cfg.model.family
     mode = FakeCuda()
-    notes: list[str] = []
+    notes: list[str] = list(notes_kernels)
 
     # The transformer with the recipe's LoRA, as the trainer builds it (add_lora on the real module).
     transformer = M.transformer_for(family)

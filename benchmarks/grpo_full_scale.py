@@ -1,0 +1,139 @@
+"""The paper's T2IS epoch on 8 GPUs at full scale, paco_ds against the reference, from counted FLOPs.
+
+This is the GPU headline derived from counted FLOPs until a GPU is measured: no GPU ran it. The
+FLOPs per call come from the GPU plan's fake-CUDA pass of configs/flux_t2is.yaml (FLUX.1-dev at
+512 x 512, paco_ds/gpu_plan: transformer forward, forward + backward of a trained micro-step, T5-XXL
++ CLIP-L prompt encoding, the VAE decode, the CLIP-H reward models) and one judge request
+(Qwen2.5-VL-7B prefill of two 256 x 256 panels and the question, paco_ds/gpu_plan/judge.py).
+Each epoch is m = 42 prompts x k = 16 images = 672 images. Times are FLOPs / (MFU x peak), with
+the same model FLOP utilisation for every device and phase (30, 40 and 50 %; H100 SXM dense bf16
+peak 989 TFLOP/s), so the ratio depends only on the work and where it runs:
+
+  (a) reference  PaCo-RL/PaCo-GRPO/scripts/train_flux.py at 08caac6 with its README's placement:
+                 one judge GPU (vLLM) and seven trainers. Per image: 10 transformer forwards and one
+                 prompt encoding to sample, a decode in the pipeline and a second one in
+                 reward_compute, the local CLIP-H rewards; per trained step three transformer
+                 forwards (policy with grad, old and base without) that each re-encode the prompt
+                 with T5-XXL and CLIP, and the policy's backward. The judge gets 57 requests per 2x2
+                 image (the criteria loop repeats the six panel pairs) after all sampling, and the
+                 trainers wait for it (synchronous scoring).
+  (b) paco_ds    the same recipe: one forward with grad per trained step on the cached embeddings
+                 (beta = 0, log pi_old from sampling), one decode, six requests per 2x2 image
+                 (deduplicated pairs) scored while sampling continues; two placements: the judge on
+                 its own GPU beside seven trainers (`cluster.judges`), and one judge per GPU
+                 sharing eight trainers' devices (`cluster.colocate`: the judge's work is added to
+                 the sampling phase of every GPU).
+
+    python benchmarks/grpo_full_scale.py            # writes benchmarks/results/grpo_full_scale.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(REPO))
+
+PEAK = 989e12  # H100 SXM, dense bf16 FLOP/s
+IMAGES = 42 * 16  # m x k of the T2IS recipe (m = 42 stays for 7 and 8 trainers)
+STEPS = 10
+TRAINED = 1  # trained steps per image (noise_steps [1])
+REF_REQUESTS, OUR_REQUESTS = 57, 6  # judge requests per 2x2 image
+TINY_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
+             "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
+
+
+def counted_flops() -> dict:
+    """FLOPs per call from the fake-CUDA pass (the prompts do not change the shapes: 512 x 512,
+    T5 padded to 512 tokens, CLIP to 77)."""
+    from paco_ds.gpu_plan.judge import judge_request_flops
+    from paco_ds.gpu_plan.plan import gpu_plan
+    from paco_ds.grpo.plan import load_config
+
+    plan = gpu_plan(load_config(REPO / "configs" / "flux_t2is.yaml", TINY_DATA), 8, 80)
+    d = plan.flops_detail
+    return {"transformer_forward": d["transformer_forward"], "train_micro_step": d["train_micro_step"],
+            "prompt_encode": d["prompt_encode"], "vae_decode": d["vae_decode"], "reward_models": d["reward_models"],
+            "judge_request": judge_request_flops(256, 256), "plan_seconds": plan.seconds}
+
+
+def schedules(f: dict) -> dict:
+    """Work per epoch (FLOPs) on the trainers by phase, and on the judge, for each schedule."""
+    fwd, micro, enc, dec, rew, req = (f[k] for k in ("transformer_forward", "train_micro_step", "prompt_encode",
+                                                     "vae_decode", "reward_models", "judge_request"))
+    sample = enc + STEPS * fwd + dec
+    ref_train = TRAINED * (micro + 2 * fwd + 3 * enc)  # policy fwd+bwd, old and ref forwards, 3 encodes
+    ours_train = TRAINED * micro
+    return {
+        "reference": {"trainers": 7, "judges": 1, "overlap": False, "colocated": False,
+                      "sample": IMAGES * sample, "score_local": IMAGES * (dec + rew), "train": IMAGES * ref_train,
+                      "judge": IMAGES * REF_REQUESTS * req},
+        "paco_ds (judge on its own GPU)": {"trainers": 7, "judges": 1, "overlap": True, "colocated": False,
+                                           "sample": IMAGES * sample, "score_local": IMAGES * rew,
+                                           "train": IMAGES * ours_train, "judge": IMAGES * OUR_REQUESTS * req},
+        "paco_ds (judges colocated)": {"trainers": 8, "judges": 8, "overlap": True, "colocated": True,
+                                       "sample": IMAGES * sample, "score_local": IMAGES * rew,
+                                       "train": IMAGES * ours_train, "judge": IMAGES * OUR_REQUESTS * req},
+    }
+
+
+def epoch_time(s: dict, mfu: float) -> dict:
+    rate = mfu * PEAK
+    trainer_sample = (s["sample"] + s["score_local"]) / s["trainers"] / rate
+    judge = s["judge"] / s["judges"] / rate
+    train = s["train"] / s["trainers"] / rate
+    if s["colocated"]:  # the judge shares each GPU's time during sampling and scoring
+        score_phase = trainer_sample + judge
+        bottleneck = "every GPU (trainer and judge share it)"
+    elif s["overlap"]:  # scoring runs while sampling continues: the slower of the two
+        score_phase = max(trainer_sample, judge)
+        bottleneck = "judge GPU" if judge > trainer_sample else "trainer GPUs"
+    else:  # the reference: all sampling, then the trainers wait for the judge's answers
+        score_phase = trainer_sample + judge
+        bottleneck = "judge GPU" if judge > trainer_sample + train else "trainer GPUs"
+    total = score_phase + train
+    return {"sample_and_score_s": score_phase, "train_s": train, "judge_busy_s": judge, "epoch_s": total,
+            "bottleneck": bottleneck}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(RESULTS / "grpo_full_scale.json"))
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    f = counted_flops()
+    sch = schedules(f)
+    table = {mfu: {name: epoch_time(s, mfu) for name, s in sch.items()} for mfu in (0.3, 0.4, 0.5)}
+    print("GPU headline derived from counted FLOPs until a GPU is measured (no GPU ran this).")
+    print(f"FLOPs per call (T): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in f.items() if k != "plan_seconds"))
+    print(f"epoch: {IMAGES} images, T2IS recipe (FLUX.1-dev 512 x 512, 10 steps, 1 trained step), 8 x H100 "
+          f"(dense bf16 peak {PEAK / 1e12:.0f} TFLOP/s)")
+    ratios = {}
+    for mfu, rows in table.items():
+        ref = rows["reference"]["epoch_s"]
+        print(f"\nMFU {mfu:.0%}:")
+        for name, r in rows.items():
+            ratio = ref / r["epoch_s"]
+            ratios.setdefault(name, ratio)
+            print(f"  {name:32s} epoch {r['epoch_s'] / 60:6.1f} min  (sample+score {r['sample_and_score_s']:6.0f} s, "
+                  f"train {r['train_s']:5.0f} s, judge busy {r['judge_busy_s']:6.0f} s; bottleneck {r['bottleneck']})"
+                  f"  reference / this = {ratio:.2f}x")
+    out = {"note": "GPU headline derived from counted FLOPs until a GPU is measured; times = FLOPs / (MFU x peak)",
+           "command": "python benchmarks/grpo_full_scale.py", "peak_flops": PEAK, "images_per_epoch": IMAGES,
+           "denoising_steps": STEPS, "judge_requests_per_image": {"reference": REF_REQUESTS, "paco_ds": OUR_REQUESTS},
+           "flops_per_call": f, "work_flops": sch,
+           "epoch": {f"{int(m * 100)}%": rows for m, rows in table.items()},
+           "ratio_reference_over": {k: round(v, 3) for k, v in ratios.items()},
+           "seconds": round(time.perf_counter() - t0, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
