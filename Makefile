@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo sft-demo test bench clean gpu-wheels test-gpu cluster-test-setup test-cluster
+.PHONY: setup demo sft-demo test bench test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster
 
 setup: $(STAMP)
 
@@ -36,6 +36,17 @@ sft-demo: setup
 
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) -m kernels.bench
+
+# Every Triton kernel compiled for sm_90 and sm_80 under the GPU machines' Triton (3.6.0; the venv has a
+# newer one), in a side venv holding only triton: compiling needs no torch and no GPU (kernels/aot.py).
+# About 3 min on 2 cores with a cold Triton cache, plus the wheel's download on first use.
+TRITON36_VENV ?= build/venv-triton36
+
+test-triton36:
+	@test -x $(TRITON36_VENV)/bin/python || $(PYTHON) -m venv $(TRITON36_VENV)
+	@$(TRITON36_VENV)/bin/python -c "import triton, sys; sys.exit(triton.__version__ != '3.6.0')" 2>/dev/null || \
+	  $(TRITON36_VENV)/bin/python -m pip install -q triton==3.6.0
+	$(TRITON36_VENV)/bin/python kernels/aot.py --out build/aot-triton36
 
 # The GPU lane, for a machine with one CUDA GPU and no network (tests/gpu/run_lane.sh says what it runs).
 # `make gpu-wheels` here (network): .whl/ gets the wheels such a machine lacks (tests/gpu/wheels.txt),

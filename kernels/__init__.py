@@ -33,6 +33,10 @@ from . import weighted_ce as _wce
 from .sde_reference import SDEStep, kl_to_reference as _kl_ref, sde_step as _sde_ref
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
+# The fused ops are torch.library custom ops (namespace `paco`) with fake implementations and
+# autograd: they run under FakeTensorMode (device "cuda" without a GPU: no kernel is launched on a
+# fake tensor), on meta tensors and inside torch.compile(fullgraph=True).
+CUSTOM_OPS = True
 # The backends with a kernel of their own for each op; every other backend runs the op in torch.
 KERNELS = {
     "sde_step": ("triton", "cpp"),
@@ -193,6 +197,11 @@ def grpo_advantages(rewards, weights, group_ids, *, log_tame=None, global_std=Tr
                     backend="auto") -> _grpo.Advantages:
     """GRPO advantages of rewards [K, N] with weights [K] and group ids [N]; see kernels/grpo.py."""
     which = _dispatch("grpo_advantages", rewards.device, backend)
+    if which == "triton" and rewards.shape[0] > _grpo.MAX_REWARD_TYPES:
+        # the kernel holds all reward types of a sample in one tile (kernels/geometry.py)
+        _warn_once(("grpo_advantages", "reward types"), f"kernels: grpo_advantages runs the torch reference: the "
+                   f"Triton kernel takes at most {_grpo.MAX_REWARD_TYPES} reward types, not {rewards.shape[0]}")
+        which = "torch"
     fn = _grpo.advantages_triton if which == "triton" else _grpo.advantages_torch
     return fn(rewards, torch.as_tensor(weights, dtype=torch.float64), torch.as_tensor(group_ids), log_tame=log_tame,
               global_std=global_std, std_floor=std_floor, clip=clip)

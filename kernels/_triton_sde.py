@@ -9,8 +9,10 @@ import math
 import triton
 import triton.language as tl
 
-LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-HALF_PI = 0.5 * math.pi
+# tl.constexpr: a @jit function may read a global only as a compile-time constant (the compiler
+# refuses a plain float, which the interpreter accepts).
+LOG_SQRT_2PI = tl.constexpr(0.5 * math.log(2 * math.pi))
+HALF_PI = tl.constexpr(0.5 * math.pi)
 
 
 @triton.jit
@@ -56,12 +58,32 @@ def coefficients(sig_ptr, b, a, N, SDE_TYPE: tl.constexpr):
 
 
 @triton.jit
-def sde_fwd(x_ptr, v_ptr, src_ptr, sig_ptr, a, partial_ptr, prev_ptr, mean_ptr, N, n_chunk, SDE_TYPE: tl.constexpr,
+def sde_coefficients(sig_ptr, a, coef_ptr, N, SDE_TYPE: tl.constexpr):
+    """coef[b] = (cx, cv, sd, k1, k0, std_t), one program per sample.
+
+    Apart from the streaming kernels: the fp64 divisions, roots, log and sine go through ptxas's
+    subroutines, which spill a few bytes per thread; here they run once per sample, and the
+    kernels that stream the latent read six floats. Rollout and training read the same values."""
+    b = tl.program_id(0)
+    cx, cv, sd, k1, k0, std_t = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    base = coef_ptr + b * 6
+    tl.store(base, cx)
+    tl.store(base + 1, cv)
+    tl.store(base + 2, sd)
+    tl.store(base + 3, k1)
+    tl.store(base + 4, k0)
+    tl.store(base + 5, std_t)
+
+
+@triton.jit
+def sde_fwd(x_ptr, v_ptr, src_ptr, coef_ptr, partial_ptr, prev_ptr, mean_ptr, N, n_chunk,
             SAMPLE: tl.constexpr, WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # one chunk of one row: partial[b, c] = sum over the chunk of (x' - mean)^2
     c = tl.program_id(0)
     b = tl.program_id(1)
-    cx, cv, sd, _, _, _ = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    cx = tl.load(coef_ptr + b * 6)
+    cv = tl.load(coef_ptr + b * 6 + 1)
+    sd = tl.load(coef_ptr + b * 6 + 2)
     row = b.to(tl.int64) * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in tl.static_range(0, CHUNK, BLOCK):
@@ -95,11 +117,12 @@ def row_sum(partial_ptr, b, n_chunk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def sde_finalize(partial_ptr, sig_ptr, a, lp_ptr, std_ptr, N, n_chunk, SDE_TYPE: tl.constexpr, BLOCK: tl.constexpr):
+def sde_finalize(partial_ptr, coef_ptr, lp_ptr, std_ptr, n_chunk, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    _, _, _, k1, k0, std_t = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    k1 = tl.load(coef_ptr + b * 6 + 3)
+    k0 = tl.load(coef_ptr + b * 6 + 4)
     tl.store(lp_ptr + b, -k1 * row_sum(partial_ptr, b, n_chunk, BLOCK) - k0)
-    tl.store(std_ptr + b, std_t)
+    tl.store(std_ptr + b, tl.load(coef_ptr + b * 6 + 5))
 
 
 @triton.jit
@@ -116,12 +139,14 @@ def kl_scale(std_ptr, b, N):
 
 
 @triton.jit
-def sde_bwd(x_ptr, v_ptr, xn_ptr, sig_ptr, a, g_ptr, gm_ptr, gv_ptr, gx_ptr, N, SDE_TYPE: tl.constexpr,
+def sde_bwd(x_ptr, v_ptr, xn_ptr, coef_ptr, g_ptr, gm_ptr, gv_ptr, gx_ptr, N,
             HAS_GM: tl.constexpr, WRITE_GV: tl.constexpr, WRITE_GX: tl.constexpr, BLOCK: tl.constexpr):
     # d lp / d v = cv * e, d lp / d x = cx * e, e = 2 k1 g (x' - mean) (+ g_mean); mean recomputed
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    cx, cv, _, k1, _, _ = coefficients(sig_ptr, b, a, N, SDE_TYPE)
+    cx = tl.load(coef_ptr + b * 6)
+    cv = tl.load(coef_ptr + b * 6 + 1)
+    k1 = tl.load(coef_ptr + b * 6 + 3)
     gd = 2.0 * k1 * tl.load(g_ptr + b)
     row = b.to(tl.int64) * N
     offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -5,17 +5,7 @@ Imported on the first Triton launch, not with `kernels` (see kernels/_triton_sde
 import triton
 import triton.language as tl
 
-from kernels._triton_sde import narrow
-
-MAX_BLOCK = 32768  # one program streams a row of 152k logits in 5 blocks
-
-
-def block_size(vocab: int) -> int:
-    return min(MAX_BLOCK, triton.next_power_of_2(vocab))
-
-
-def num_warps(block: int) -> int:
-    return 32 if block >= 16384 else 16 if block >= 4096 else 4
+from ._triton_sde import narrow
 
 
 @triton.jit

@@ -23,10 +23,13 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import geometry as G
+
 STATS = ("unclipped_loss", "clipped_loss", "ratio", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one")
 _TAME = {None: 0, "mean": 1, "median": 2}
-ADV_BLOCK = 64  # samples per program of the advantage kernel (and the tile edge of its group search)
-PPO_BLOCK = 1024
+ADV_BLOCK = G.ADV_BLOCK  # samples per program of the advantage kernel (and the tile edge of its group search)
+PPO_BLOCK = G.PPO_BLOCK
+MAX_REWARD_TYPES = G.MAX_REWARD_TYPES
 
 
 class LogTameDomainError(ValueError):
@@ -94,29 +97,52 @@ def advantages_torch(rewards: torch.Tensor, weights: torch.Tensor, group_ids: to
     return Advantages(adv.to(device), combined.to(device), to(cv), to(tamed), to(tau))
 
 
-def advantages_triton(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, *, log_tame=None,
-                      global_std: bool = True, std_floor: float = 1e-6, clip: float = 5.0) -> Advantages:
+@torch.library.custom_op("paco::grpo_advantages", mutates_args=())
+def _advantages_op(r: torch.Tensor, w: torch.Tensor, g: torch.Tensor, params: torch.Tensor, tame: int,
+                   global_std: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages [N], combined [N], cv [K], tamed [K] int32, threshold []) of fp64 rewards r [K, N],
+    weights w [K], int64 group ids g [N], params fp64 (tau_fixed, std_floor, clip): one launch."""
     from kernels import _triton_grpo
 
+    k, n = r.shape
+    adv = torch.empty(n, dtype=torch.float64, device=r.device)
+    combined = torch.empty_like(adv)
+    cv = torch.empty(k, dtype=torch.float64, device=r.device)
+    tamed = torch.empty(k, dtype=torch.int32, device=r.device)
+    tau = torch.empty((), dtype=torch.float64, device=r.device)
+    _triton_grpo.grpo_advantages[(G.cdiv(n, ADV_BLOCK),)](r, w, g, params, adv, combined, cv, tamed, tau, k, n,
+                                                          TAME=tame, GLOBAL_STD=global_std, BLOCK_K=G.adv_block_k(k),
+                                                          BLOCK=ADV_BLOCK, num_warps=G.ADV_WARPS)
+    return adv, combined, cv, tamed, tau
+
+
+@_advantages_op.register_fake
+def _(r, w, g, params, tame, global_std):
+    k, n = r.shape
+    f64 = dict(dtype=torch.float64)
+    return (r.new_empty((n,), **f64), r.new_empty((n,), **f64), r.new_empty((k,), **f64),
+            r.new_empty((k,), dtype=torch.int32), r.new_empty((), **f64))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def advantages_triton(rewards: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, *, log_tame=None,
+                      global_std: bool = True, std_floor: float = 1e-6, clip: float = 5.0) -> Advantages:
     code = _tame_code(log_tame)
-    k, n = rewards.shape
     dev = rewards.device
     r = rewards.detach().to(torch.float64).contiguous()
     w = weights.to(dev, torch.float64).contiguous()
     g = group_ids.to(dev, torch.int64).contiguous()
     params = torch.tensor([float(log_tame) if code == 3 else 0.0, std_floor, clip], dtype=torch.float64, device=dev)
-    adv = torch.empty(n, dtype=torch.float64, device=dev)
-    combined = torch.empty_like(adv)
-    cv = torch.empty(k, dtype=torch.float64, device=dev)
-    tamed = torch.empty(k, dtype=torch.int32, device=dev)
-    tau = torch.empty((), dtype=torch.float64, device=dev)
-    block_k = max(2, 1 << (k - 1).bit_length())
-    _triton_grpo.grpo_advantages[(-(-n // ADV_BLOCK),)](r, w, g, params, adv, combined, cv, tamed, tau, k, n,
-                                                        TAME=code, GLOBAL_STD=global_std, BLOCK_K=block_k,
-                                                        BLOCK=ADV_BLOCK)
+    adv, combined, cv, tamed, tau = _advantages_op(r, w, g, params, code, global_std)
     if not code:
         return Advantages(adv, combined, None, None, None)
-    _check_tamed(r, tamed.bool())
+    if not _is_fake(r):  # the domain check reads values, which a fake tensor has none of
+        _check_tamed(r, tamed.bool())
     return Advantages(adv, combined, cv, tamed.bool(), tau)
 
 
@@ -146,39 +172,63 @@ def ppo_clip_loss_torch(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
     return loss, stats
 
 
-class PPOClipFn(torch.autograd.Function):
-    """(loss, stats [6]) of the PPO-clip objective; gradients to log_prob and old_log_prob."""
+# The Triton PPO-clip loss as a torch custom op (see kernels/sde_logprob.py for why): forward
+# returns [loss, unclipped, clipped, ratio, clipfrac, clipfrac_gt_one, clipfrac_lt_one].
+@torch.library.custom_op("paco::ppo_clip", mutates_args=())
+def _ppo_op(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, clip_range: float,
+            adv_clip: float) -> torch.Tensor:
+    from kernels import _triton_grpo
 
-    @staticmethod
-    def forward(ctx, log_prob, old_log_prob, adv, clip_range: float, adv_clip: float):
-        from kernels import _triton_grpo
+    b = log_prob.shape[0]
+    out = torch.empty(7, dtype=torch.float32, device=log_prob.device)
+    _triton_grpo.ppo_fwd[(1,)](log_prob, old_log_prob, adv, out, b, 1 - clip_range, 1 + clip_range, clip_range,
+                               adv_clip, BLOCK=G.ppo_fwd_block(b))
+    return out
 
-        b = log_prob.shape[0]
-        out = torch.empty(7, dtype=torch.float32, device=log_prob.device)
-        _triton_grpo.ppo_fwd[(1,)](log_prob, old_log_prob, adv, out, b, 1 - clip_range, 1 + clip_range, clip_range,
-                                   adv_clip, BLOCK=min(PPO_BLOCK, max(16, 1 << (b - 1).bit_length())))
-        ctx.save_for_backward(log_prob, old_log_prob, adv)
-        ctx.clip = (clip_range, adv_clip)
-        stats = out[1:]
-        ctx.mark_non_differentiable(stats)
-        return out[0], stats
 
-    @staticmethod
-    def backward(ctx, g_loss, _g_stats):
-        from kernels import _triton_grpo
+@_ppo_op.register_fake
+def _(log_prob, old_log_prob, adv, clip_range, adv_clip):
+    return log_prob.new_empty((7,), dtype=torch.float32)
 
-        log_prob, old_log_prob, adv = ctx.saved_tensors
-        clip_range, adv_clip = ctx.clip
-        b = log_prob.shape[0]
-        grad = torch.empty(b, dtype=torch.float32, device=log_prob.device)
-        _triton_grpo.ppo_bwd[(-(-b // PPO_BLOCK),)](log_prob, old_log_prob, adv, g_loss.float().contiguous(), grad, b,
-                                                   1 - clip_range, 1 + clip_range, adv_clip, BLOCK=PPO_BLOCK)
-        need_lp, need_old = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        return grad if need_lp else None, -grad if need_old else None, None, None, None
+
+@torch.library.custom_op("paco::ppo_clip_backward", mutates_args=())
+def _ppo_bwd_op(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, g_loss: torch.Tensor,
+                clip_range: float, adv_clip: float) -> torch.Tensor:
+    """d loss / d log_prob (= -d loss / d old_log_prob), [B] fp32."""
+    from kernels import _triton_grpo
+
+    b = log_prob.shape[0]
+    grad = torch.empty(b, dtype=torch.float32, device=log_prob.device)
+    _triton_grpo.ppo_bwd[(G.cdiv(b, PPO_BLOCK),)](log_prob, old_log_prob, adv, g_loss, grad, b, 1 - clip_range,
+                                                  1 + clip_range, adv_clip, BLOCK=PPO_BLOCK)
+    return grad
+
+
+@_ppo_bwd_op.register_fake
+def _(log_prob, old_log_prob, adv, g_loss, clip_range, adv_clip):
+    return torch.empty_like(log_prob)
+
+
+def _ppo_setup_context(ctx, inputs, output):
+    log_prob, old_log_prob, adv, clip_range, adv_clip = inputs
+    ctx.save_for_backward(log_prob, old_log_prob, adv)
+    ctx.clip = (clip_range, adv_clip)
+
+
+def _ppo_backward(ctx, g_out):
+    log_prob, old_log_prob, adv = ctx.saved_tensors
+    # only the loss (element 0) is differentiable; the statistics are reported detached
+    grad = _ppo_bwd_op(log_prob, old_log_prob, adv, g_out[:1].float().contiguous(), *ctx.clip)
+    need_lp, need_old = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    return grad if need_lp else None, -grad if need_old else None, None, None, None
+
+
+_ppo_op.register_autograd(_ppo_backward, setup_context=_ppo_setup_context)
 
 
 def ppo_clip_loss_triton(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
     """(scalar loss, detached statistics) with the keys of the torch reference."""
     flat = [t.reshape(-1).float().contiguous() for t in (log_prob, old_log_prob, advantages)]
-    loss, stats = PPOClipFn.apply(*flat, float(clip_range), float(adv_clip))
+    out = _ppo_op(*flat, float(clip_range), float(adv_clip))
+    loss, stats = out[0], out[1:].detach()
     return loss, {"policy_loss": loss.detach(), **dict(zip(STATS, stats.unbind(0)))}

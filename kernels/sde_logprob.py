@@ -29,14 +29,15 @@ import numbers
 
 import torch
 
+from kernels import geometry as G
 from kernels.sde_reference import SDEStep
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SDE_TYPES = {"flow_grpo": 0, "cps": 1}
 
-# Triton launch geometry. TRITON_CHUNK elements per program fixes the reduction tree of a row.
-TRITON_CHUNK = 2048
-TRITON_BLOCK = 1024
+# Triton launch geometry (kernels/geometry.py): TRITON_CHUNK elements per program fix a row's reduction tree.
+TRITON_CHUNK = G.SDE_CHUNK
+TRITON_BLOCK = G.SDE_BLOCK
 
 
 def _sigmas(x: torch.Tensor, sigma, sigma_next, sigma_max) -> torch.Tensor:
@@ -52,12 +53,7 @@ def _sigmas(x: torch.Tensor, sigma, sigma_next, sigma_max) -> torch.Tensor:
     return torch.stack([c.expand(b) if c.ndim == 0 else c.reshape(b) for c in cols], dim=1).contiguous()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int, lo: int = 16, hi: int = 1024) -> int:
-    return min(hi, max(lo, 1 << (n - 1).bit_length()))
+_cdiv = G.cdiv
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -66,32 +62,40 @@ class _TritonImpl:
     Every tensor argument is a contiguous [B, N] row view (see `_rows`)."""
 
     @staticmethod
-    def sde_fwd(x, v, src, sig, a: float, sde_type: int, sample: bool, want_mean: bool):
+    def _coefficients(k, x, sig, a: float, sde_type: int):
+        coef = torch.empty(x.shape[0], 6, dtype=torch.float32, device=x.device)
+        k.sde_coefficients[(x.shape[0],)](sig, a, coef, x.shape[1], SDE_TYPE=sde_type)
+        return coef
+
+    @classmethod
+    def sde_fwd(cls, x, v, src, sig, a: float, sde_type: int, sample: bool, want_mean: bool):
         from kernels import _triton_sde as k
 
         b, n = x.shape
         n_chunk = _cdiv(n, TRITON_CHUNK)
+        coef = cls._coefficients(k, x, sig, a, sde_type)
         partial = torch.empty(b, n_chunk, dtype=torch.float32, device=x.device)
         prev = torch.empty_like(x) if sample else None
         mean = torch.empty(b, n, dtype=torch.float32, device=x.device) if want_mean else None
         log_prob = torch.empty(b, dtype=torch.float32, device=x.device)
         std = torch.empty_like(log_prob)
         # unused pointer arguments get any tensor: the constexpr flags compile their use away
-        k.sde_fwd[(n_chunk, b)](x, v, src, sig, a, partial, prev if sample else x, mean if want_mean else partial,
-                                n, n_chunk, SDE_TYPE=sde_type, SAMPLE=sample, WRITE_MEAN=want_mean,
-                                CHUNK=TRITON_CHUNK, BLOCK=TRITON_BLOCK)
-        k.sde_finalize[(b,)](partial, sig, a, log_prob, std, n, n_chunk, SDE_TYPE=sde_type, BLOCK=_pow2(n_chunk))
+        k.sde_fwd[(n_chunk, b)](x, v, src, coef, partial, prev if sample else x, mean if want_mean else partial,
+                                n, n_chunk, SAMPLE=sample, WRITE_MEAN=want_mean, CHUNK=TRITON_CHUNK,
+                                BLOCK=TRITON_BLOCK)
+        k.sde_finalize[(b,)](partial, coef, log_prob, std, n_chunk, BLOCK=G.finalize_block(n_chunk))
         return log_prob, std, prev, mean
 
-    @staticmethod
-    def sde_bwd(x, v, xn, sig, a: float, sde_type: int, g, g_mean, need_v: bool, need_x: bool):
+    @classmethod
+    def sde_bwd(cls, x, v, xn, sig, a: float, sde_type: int, g, g_mean, need_v: bool, need_x: bool):
         from kernels import _triton_sde as k
 
         b, n = x.shape
+        coef = cls._coefficients(k, x, sig, a, sde_type)
         gv = torch.empty_like(v) if need_v else None
         gx = torch.empty_like(x) if need_x else None
-        k.sde_bwd[(_cdiv(n, TRITON_BLOCK), b)](x, v, xn, sig, a, g, g if g_mean is None else g_mean,
-                                               gv if need_v else x, gx if need_x else x, n, SDE_TYPE=sde_type,
+        k.sde_bwd[(_cdiv(n, TRITON_BLOCK), b)](x, v, xn, coef, g, g if g_mean is None else g_mean,
+                                               gv if need_v else x, gx if need_x else x, n,
                                                HAS_GM=g_mean is not None, WRITE_GV=need_v, WRITE_GX=need_x,
                                                BLOCK=TRITON_BLOCK)
         return gv, gx
@@ -105,7 +109,7 @@ class _TritonImpl:
         partial = torch.empty(b, n_chunk, dtype=torch.float32, device=m.device)
         out = torch.empty(b, dtype=torch.float32, device=m.device)
         k.kl_fwd[(n_chunk, b)](m, mr, partial, n, n_chunk, CHUNK=TRITON_CHUNK, BLOCK=TRITON_BLOCK)
-        k.kl_finalize[(b,)](partial, std, out, n, n_chunk, BLOCK=_pow2(n_chunk))
+        k.kl_finalize[(b,)](partial, std, out, n, n_chunk, BLOCK=G.finalize_block(n_chunk))
         return out
 
     @staticmethod
@@ -162,50 +166,110 @@ class _CppImpl:
 IMPLS = {"triton": _TritonImpl, "cpp": _CppImpl}
 
 
-# ------------------------------------------------------------------------------------------ autograd
-class SDELogProbFn(torch.autograd.Function):
-    """(log_prob [B], std_t [B], prev [B, N] or None, mean [B, N] or None) of one SDE transition.
-
-    Gradients flow to x and v from log_prob and from mean; the sampled x' is not differentiable
-    (rollouts run without grad, and the log-prob treats x' as data, as the reference detaches it).
-    Only the inputs are saved for backward, in their own dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, impl, x, v, src, sig, a: float, sde_type: int, sample: bool, want_mean: bool):
-        log_prob, std, prev, mean = impl.sde_fwd(x, v, src, sig, a, sde_type, sample, want_mean)
-        ctx.impl, ctx.a, ctx.sde_type = impl, a, sde_type
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, v, prev if sample else src, sig)
-        ctx.mark_non_differentiable(*([std, prev] if sample else [std]))
-        return log_prob, std, prev, mean
-
-    @staticmethod
-    def backward(ctx, g_lp, _g_std, _g_prev, g_mean):
-        x, v, xn, sig = ctx.saved_tensors
-        need_x, need_v = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if g_lp is None:
-            g_lp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        gv, gx = ctx.impl.sde_bwd(x, v, xn, sig, ctx.a, ctx.sde_type, g_lp.float().contiguous(),
-                                  None if g_mean is None else g_mean.float().contiguous(), need_v, need_x)
-        return None, gx, gv, None, None, None, None, None, None
+# ------------------------------------------------------------------------------------------ torch custom ops
+# The fused ops are torch.library custom ops: FakeTensorMode, meta tensors and torch.compile see a
+# fake implementation that only allocates the outputs (no kernel runs on a fake tensor), and
+# torch.compile(fullgraph=True) keeps them in one graph. Outputs an op does not compute are empty
+# [0] tensors (a custom op returns tensors, not None). `backend` names the kernels: "triton", "cpp".
+_EMPTY = (0,)
 
 
-class KLFn(torch.autograd.Function):
-    """Per-sample sum((mean - mean_ref)^2) / (2 N std^2); gradients to both means."""
+def _empty_like_row(x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return x.new_empty(_EMPTY, dtype=dtype)
 
-    @staticmethod
-    def forward(ctx, impl, m, mr, std):
-        ctx.impl = impl
-        ctx.save_for_backward(m, mr, std)
-        return impl.kl_fwd(m, mr, std)
 
-    @staticmethod
-    def backward(ctx, g):
-        m, mr, std = ctx.saved_tensors
-        gm, gmr = ctx.impl.kl_bwd(m, mr, std, g.float().contiguous(), ctx.needs_input_grad[1],
-                                  ctx.needs_input_grad[2])
-        return None, gm, gmr, None
+@torch.library.custom_op("paco::sde_logprob", mutates_args=())
+def _sde_logprob_op(x: torch.Tensor, v: torch.Tensor, src: torch.Tensor, sig: torch.Tensor, a: float, sde_type: int,
+                    sample: bool, want_mean: bool, backend: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_prob [B], std_t [B], x' [B, N] or [0], mean [B, N] fp32 or [0]) of one SDE transition."""
+    log_prob, std, prev, mean = IMPLS[backend].sde_fwd(x, v, src, sig, a, sde_type, sample, want_mean)
+    return (log_prob, std, _empty_like_row(x, x.dtype) if prev is None else prev,
+            _empty_like_row(x) if mean is None else mean)
+
+
+@_sde_logprob_op.register_fake
+def _(x, v, src, sig, a, sde_type, sample, want_mean, backend):
+    b = x.shape[0]
+    return (x.new_empty((b,), dtype=torch.float32), x.new_empty((b,), dtype=torch.float32),
+            torch.empty_like(x) if sample else _empty_like_row(x, x.dtype),
+            x.new_empty(x.shape, dtype=torch.float32) if want_mean else _empty_like_row(x))
+
+
+@torch.library.custom_op("paco::sde_logprob_backward", mutates_args=())
+def _sde_logprob_bwd_op(x: torch.Tensor, v: torch.Tensor, xn: torch.Tensor, sig: torch.Tensor, a: float,
+                        sde_type: int, g: torch.Tensor, g_mean: torch.Tensor | None, need_v: bool, need_x: bool,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d/dv, d/dx) of log_prob (and of the mean, through g_mean); [0] where not needed."""
+    gv, gx = IMPLS[backend].sde_bwd(x, v, xn, sig, a, sde_type, g, g_mean, need_v, need_x)
+    return (_empty_like_row(v, v.dtype) if gv is None else gv, _empty_like_row(x, x.dtype) if gx is None else gx)
+
+
+@_sde_logprob_bwd_op.register_fake
+def _(x, v, xn, sig, a, sde_type, g, g_mean, need_v, need_x, backend):
+    return (torch.empty_like(v) if need_v else _empty_like_row(v, v.dtype),
+            torch.empty_like(x) if need_x else _empty_like_row(x, x.dtype))
+
+
+def _sde_setup_context(ctx, inputs, output):
+    x, v, src, sig, a, sde_type, sample, _want_mean, backend = inputs
+    ctx.a, ctx.sde_type, ctx.backend = a, sde_type, backend
+    # Only the inputs are saved for backward, in their own dtype; the mean is recomputed there.
+    ctx.save_for_backward(x, v, output[2] if sample else src, sig)
+
+
+def _sde_backward(ctx, g_lp, _g_std, _g_prev, g_mean):
+    # Gradients flow to x and v from log_prob and from the mean; x' is data (rollouts run without
+    # grad, and the reference detaches it), so its gradient and the std's are dropped.
+    x, v, xn, sig = ctx.saved_tensors
+    need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gm = None if g_mean is None or g_mean.numel() == 0 else g_mean.float().contiguous()
+    g = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device) if g_lp is None else g_lp.float().contiguous()
+    gv, gx = _sde_logprob_bwd_op(x, v, xn, sig, ctx.a, ctx.sde_type, g, gm, need_v, need_x, ctx.backend)
+    return gx if need_x else None, gv if need_v else None, None, None, None, None, None, None, None
+
+
+_sde_logprob_op.register_autograd(_sde_backward, setup_context=_sde_setup_context)
+
+
+@torch.library.custom_op("paco::kl_to_reference", mutates_args=())
+def _kl_op(m: torch.Tensor, mr: torch.Tensor, std: torch.Tensor, backend: str) -> torch.Tensor:
+    """Per-sample sum((mean - mean_ref)^2) / (2 N std^2)."""
+    return IMPLS[backend].kl_fwd(m, mr, std)
+
+
+@_kl_op.register_fake
+def _(m, mr, std, backend):
+    return m.new_empty((m.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("paco::kl_to_reference_backward", mutates_args=())
+def _kl_bwd_op(m: torch.Tensor, mr: torch.Tensor, std: torch.Tensor, g: torch.Tensor, need_m: bool, need_mr: bool,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gm, gmr = IMPLS[backend].kl_bwd(m, mr, std, g, need_m, need_mr)
+    return (_empty_like_row(m, m.dtype) if gm is None else gm, _empty_like_row(mr, mr.dtype) if gmr is None else gmr)
+
+
+@_kl_bwd_op.register_fake
+def _(m, mr, std, g, need_m, need_mr, backend):
+    return (torch.empty_like(m) if need_m else _empty_like_row(m, m.dtype),
+            torch.empty_like(mr) if need_mr else _empty_like_row(mr, mr.dtype))
+
+
+def _kl_setup_context(ctx, inputs, output):
+    m, mr, std, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(m, mr, std)
+
+
+def _kl_backward(ctx, g):
+    m, mr, std = ctx.saved_tensors
+    need_m, need_mr = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gm, gmr = _kl_bwd_op(m, mr, std, g.float().contiguous(), need_m, need_mr, ctx.backend)
+    return gm if need_m else None, gmr if need_mr else None, None, None
+
+
+_kl_op.register_autograd(_kl_backward, setup_context=_kl_setup_context)
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -236,15 +300,16 @@ def sde_logprob(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level
         raise ValueError("pass exactly one of `prev_sample` (score a transition) or `noise` (sample one)")
     sample = noise is not None
     src = _rows((noise if sample else prev_sample).detach(), (x.dtype, torch.float32))
-    log_prob, std, prev, mean = SDELogProbFn.apply(IMPLS[backend], _rows(x, NATIVE_DTYPES), _rows(v, NATIVE_DTYPES),
-                                                   src, _sigmas(x, sigma, sigma_next, sigma_max), float(noise_level),
-                                                   SDE_TYPES[sde_type], sample, return_mean)
-    return SDEStep(prev_sample=prev.view(x.shape) if sample else prev_sample, log_prob=log_prob,
-                   mean=mean.view(x.shape) if return_mean else None, std=std)
+    log_prob, std, prev, mean = _sde_logprob_op(_rows(x, NATIVE_DTYPES), _rows(v, NATIVE_DTYPES), src,
+                                                _sigmas(x, sigma, sigma_next, sigma_max), float(noise_level),
+                                                SDE_TYPES[sde_type], sample, return_mean, backend)
+    # x' and std_t carry no gradient (the op's backward drops theirs): detached, as the reference's are
+    return SDEStep(prev_sample=prev.detach().view(x.shape) if sample else prev_sample, log_prob=log_prob,
+                   mean=mean.view(x.shape) if return_mean else None, std=std.detach())
 
 
 def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tensor, *, backend: str) -> torch.Tensor:
     """Per-sample mean((mean - mean_ref)^2) / (2 std^2), accumulated in fp32."""
     work = mean.dtype if mean.dtype == mean_ref.dtype and mean.dtype in NATIVE_DTYPES else torch.float32
-    return KLFn.apply(IMPLS[backend], _rows(mean, (work,)), _rows(mean_ref, (work,)),
-                      std.detach().reshape(-1).float().contiguous())
+    return _kl_op(_rows(mean, (work,)), _rows(mean_ref, (work,)), std.detach().reshape(-1).float().contiguous(),
+                  backend)

@@ -34,6 +34,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from kernels import geometry as G
+
 IGNORE_INDEX = -100
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Auto chunk: the largest power of two of rows whose fp32 logits fit this budget (1 GiB: 1024 rows
@@ -85,9 +87,9 @@ def rows_triton(logits: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, 
     c, v = logits.shape
     ce = torch.empty(c, dtype=torch.float32, device=logits.device)
     pred = torch.empty(c, dtype=torch.int64, device=logits.device)
-    block = k.block_size(v)
+    block = G.ce_block(v)
     k.ce_rows[(c,)](logits, logits.stride(0), labels, coef, ce, pred, v, WRITE_GRAD=write_grad, BLOCK=block,
-                    num_warps=k.num_warps(block))
+                    num_warps=G.ce_warps(block))
     return ce, pred
 
 
@@ -135,23 +137,41 @@ def fused_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     return loss, token_loss, predictions, grad_hidden, grad_weight
 
 
-class LinearCEFn(torch.autograd.Function):
-    """The op with autograd: gradients are computed in forward and only scaled in backward."""
+# The op as a torch custom op (see kernels/sde_logprob.py for why): FakeTensorMode and
+# torch.compile see only its output shapes. Gradients are computed in forward; [0] where not asked.
+@torch.library.custom_op("paco::weighted_linear_ce", mutates_args=())
+def _wce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor, chunk_size: int,
+            ignore_index: int, need_grad_hidden: bool, need_grad_weight: bool, backend: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, token_loss, pred, gh, gw = fused_linear_ce(hidden, weight, labels, coef, chunk_size=chunk_size,
+                                                     rows=ROWS[backend], need_grad_hidden=need_grad_hidden,
+                                                     need_grad_weight=need_grad_weight, ignore_index=ignore_index)
+    return (loss, token_loss, pred, hidden.new_empty((0,)) if gh is None else gh,
+            weight.new_empty((0,)) if gw is None else gw)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, coef, chunk_size: int, rows: RowFn, ignore_index: int):
-        loss, token_loss, pred, gh, gw = fused_linear_ce(
-            hidden, weight, labels, coef, chunk_size=chunk_size, rows=rows, need_grad_hidden=ctx.needs_input_grad[0],
-            need_grad_weight=ctx.needs_input_grad[1], ignore_index=ignore_index)
-        ctx.save_for_backward(gh, gw)
-        ctx.mark_non_differentiable(token_loss, pred)
-        return loss, token_loss, pred
 
-    @staticmethod
-    def backward(ctx, g, _g_token_loss, _g_pred):
-        gh, gw = ctx.saved_tensors
-        scale = (lambda t: None if t is None else t * g.to(t.dtype))
-        return scale(gh), scale(gw), None, None, None, None, None
+@_wce_op.register_fake
+def _(hidden, weight, labels, coef, chunk_size, ignore_index, need_grad_hidden, need_grad_weight, backend):
+    n = hidden.shape[0]
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((n,), dtype=torch.int64),
+            torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty((0,)),
+            torch.empty_like(weight) if need_grad_weight else weight.new_empty((0,)))
+
+
+def _wce_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[3], output[4])
+
+
+def _wce_backward(ctx, g, _g_token_loss, _g_pred, _g_gh, _g_gw):
+    # backward only scales the gradients forward computed: it needs neither the logits nor W
+    gh, gw = ctx.saved_tensors
+    scale = (lambda t, need: t * g.to(t.dtype) if need and t.numel() else None)
+    return (scale(gh, ctx.needs_input_grad[0]), scale(gw, ctx.needs_input_grad[1]), None, None, None, None, None,
+            None, None)
+
+
+_wce_op.register_autograd(_wce_backward, setup_context=_wce_setup_context)
 
 
 def weighted_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -176,12 +196,8 @@ def weighted_linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         normalizer = valid.sum().clamp_min(1)
     c = (c / normalizer).contiguous()
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
-    rows = ROWS[backend]
     w = weight.contiguous()
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss, token_loss, pred = LinearCEFn.apply(h2.contiguous(), w, y, c, chunk, rows, ignore_index)
-    else:
-        loss, token_loss, pred, _, _ = fused_linear_ce(h2.contiguous(), w, y, c, chunk_size=chunk, rows=rows,
-                                                       need_grad_hidden=False, need_grad_weight=False,
-                                                       ignore_index=ignore_index)
-    return WeightedCE(loss, token_loss.view(labels.shape), pred.view(labels.shape))
+    grad = torch.is_grad_enabled()
+    loss, token_loss, pred, _, _ = _wce_op(h2.contiguous(), w, y, c, chunk, ignore_index, grad and hidden.requires_grad,
+                                           grad and weight.requires_grad, backend)
+    return WeightedCE(loss, token_loss.detach().view(labels.shape), pred.view(labels.shape))

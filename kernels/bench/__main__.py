@@ -325,6 +325,15 @@ def targets(rows: list[dict], device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ main
+def print_aot_table() -> None:
+    """The compiled kernels' resources per GPU arch, as committed (see kernels/aot.py)."""
+    from kernels import aot
+
+    text = aot.read_tables()
+    print("\nTriton kernels compiled ahead of time (worst configuration per kernel; `python -m kernels.aot`):\n"
+          + (text or "no kernels/bench/results/aot_sm*.json: run `python -m kernels.aot`"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="512 px only, batch 1 and 4, no torch.compile (~1 min)")
@@ -333,7 +342,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="latent dtype (default bf16)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for <device>.json and <device>.png")
+    ap.add_argument("--aot", action="store_true", help="only print the registers, spills, shared memory and "
+                    "occupancy of every Triton kernel compiled for sm_90 and sm_80 (kernels/bench/results/aot_sm*.json, "
+                    "written by `python -m kernels.aot`) and exit")
     args = ap.parse_args(argv)
+    if args.aot:
+        print_aot_table()
+        return 0
     ops = [o for o in args.ops.split(",") if o]
     unknown = set(ops) - set(OPS)
     if unknown:
@@ -392,6 +407,7 @@ def main(argv=None) -> int:
             record("ppo_fwd_bwd", f"B={b}", {"batch": b}, nbytes, side_by_side(timer, fns, rounds))
 
     print_table(rows)
+    print_aot_table()
     slug = device_slug(device)
     env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     command = " ".join([f"{env}python -m kernels.bench", *(sys.argv[1:] if argv is None else argv)])

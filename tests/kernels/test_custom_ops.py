@@ -1,0 +1,133 @@
+"""The fused ops as torch custom ops: fake CUDA tensors, meta tensors, torch.compile(fullgraph=True).
+
+No GPU here: FakeTensorMode makes tensors that claim device "cuda", so `backend="auto"` picks Triton
+as on a GPU, and only the ops' fake implementations may run (a real launch would fail: no driver).
+About 40 s on 2 cores, most of it the first inductor compile.
+"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kernels
+
+pytest.importorskip("triton")
+B, L, C = 2, 16, 8
+
+
+def _fake_cuda(*shapes, dtype=torch.bfloat16, grad=False):
+    out = [torch.empty(s, dtype=dtype, device="cuda") for s in shapes]
+    for t in out:
+        t.requires_grad_(grad)
+    return out
+
+
+def test_ops_are_registered_with_fake_impls():
+    assert kernels.CUSTOM_OPS
+    for name in ("sde_logprob", "sde_logprob_backward", "kl_to_reference", "kl_to_reference_backward", "ppo_clip",
+                 "ppo_clip_backward", "grpo_advantages", "weighted_linear_ce"):
+        op = getattr(torch.ops.paco, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or \
+            torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sde_step_and_kl_on_fake_cuda_tensors(dtype):
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        x, v, noise = _fake_cuda((B, L, C), (B, L, C), (B, L, C), dtype=dtype)
+        vg = v.clone().requires_grad_(True)
+        sig = torch.full((B,), 0.9, device="cuda")
+        assert kernels.active_backend("sde_step", x.device) == "triton"
+        rollout = kernels.sde_step(x, v, sig, sig - 0.05, 0.7, sig, noise=noise)
+        assert rollout.prev_sample.shape == x.shape and rollout.prev_sample.dtype == dtype
+        assert rollout.prev_sample.device.type == "cuda" and rollout.mean.dtype == torch.float32
+        step = kernels.sde_step(x, vg, sig, sig - 0.05, 0.7, sig, prev_sample=rollout.prev_sample)
+        assert step.log_prob.shape == (B,) and step.log_prob.dtype == torch.float32
+        assert step.log_prob.device.type == "cuda" and step.std.shape == (B,)
+        kl = kernels.kl_to_reference(step.mean, rollout.mean, step.std)
+        assert kl.shape == (B,) and kl.device.type == "cuda"
+        # torch's autograd engine wants a real CUDA device for a backward on fake CUDA tensors, so
+        # the backward ops' fake implementations are called as the registered autograd calls them
+        g = torch.empty(B, device="cuda")
+        gv, gx = torch.ops.paco.sde_logprob_backward(x, v, rollout.prev_sample, torch.stack([sig] * 3, 1), 0.7, 0,
+                                                     g, None, True, False, "triton")
+        assert gv.shape == v.shape and gv.dtype == dtype and gv.device.type == "cuda" and gx.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sde_step_and_kl_backward_on_meta_tensors(dtype):
+    x = torch.empty(B, L, C, dtype=dtype, device="meta")
+    v = torch.empty(B, L, C, dtype=dtype, device="meta", requires_grad=True)
+    sig = torch.full((B,), 0.9, device="meta")
+    step = kernels._sde.sde_logprob(x, v, sig, sig - 0.05, 0.7, sig, prev_sample=x, backend="triton",
+                                    return_mean=True)
+    kl = kernels._sde.kl_to_reference(step.mean, step.mean.detach(), step.std, backend="triton")
+    (step.log_prob.sum() + kl.sum()).backward()
+    assert v.grad.shape == v.shape and v.grad.dtype == dtype and v.grad.device.type == "meta"
+
+
+def test_ppo_and_advantages_on_fake_cuda_tensors():
+    with FakeTensorMode():
+        lp = torch.empty(6, device="cuda", requires_grad=True)
+        old, adv = torch.empty(6, device="cuda"), torch.empty(6, device="cuda")
+        assert kernels.active_backend("ppo_clip_loss", lp.device) == "triton"
+        loss, stats = kernels.ppo_clip_loss(lp, old, adv, 1e-4, 5.0)
+        assert loss.shape == () and loss.device.type == "cuda" and stats["clipfrac"].shape == ()
+        grad = torch.ops.paco.ppo_clip_backward(lp, old, adv, torch.empty(1, device="cuda"), 1e-4, 5.0)
+        assert grad.shape == (6,) and grad.dtype == torch.float32 and grad.device.type == "cuda"
+        rewards = torch.empty(3, 6, device="cuda")
+        out = kernels.grpo_advantages(rewards, [1.0, 0.5, 2.0], torch.arange(6, device="cuda") // 2, log_tame="median")
+        assert out.advantages.shape == (6,) and out.advantages.dtype == torch.float64
+        assert out.advantages.device.type == "cuda" and out.tamed.shape == (3,) and out.tamed.dtype == torch.bool
+
+
+def test_weighted_linear_ce_on_fake_cuda_and_meta_tensors():
+    for mode, device in ((FakeTensorMode(), "cuda"), (torch.device("meta"), "meta")):
+        with mode:
+            h = torch.empty(2, 5, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+            w = torch.empty(151936, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+            y = torch.zeros(2, 5, dtype=torch.int64, device=device)
+            out = kernels.weighted_linear_ce(h, w, y, backend="triton" if device == "cuda" else "torch")
+            assert out.loss.shape == () and out.token_loss.shape == (2, 5) and out.predictions.dtype == torch.int64
+            assert out.loss.device.type == device and out.token_loss.device.type == device
+            if device == "meta":
+                out.loss.backward()
+                assert h.grad.shape == h.shape and h.grad.dtype == torch.bfloat16 and w.grad.shape == w.shape
+
+
+def test_sde_step_on_meta_tensors_with_cpp_backend():
+    x = torch.empty(B, L, C, device="meta")
+    step = kernels._sde.sde_logprob(x, x, 0.9, 0.85, 0.7, 0.9, prev_sample=x, backend="cpp", return_mean=True)
+    assert step.log_prob.shape == (B,) and step.mean.shape == x.shape and step.log_prob.device.type == "meta"
+
+
+def test_compiled_logprob_and_ppo_micro_step_equals_eager():
+    """A trained micro-step (log-prob of a stored transition, PPO-clip loss, backward) compiled by
+    inductor with fullgraph=True (a graph break fails) equals eager, value and gradient."""
+    if kernels.active_backend("sde_step", "cpu", "cpp") != "cpp":
+        pytest.skip("the C++ ops cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    x, v, noise = (torch.randn(B, L, C, generator=g) for _ in range(3))
+    sig = torch.tensor([0.9, 0.8])
+    prev = kernels.sde_step(x, v, sig, sig - 0.05, 0.7, sig, noise=noise, backend="cpp").prev_sample
+    old = torch.tensor([-1.1, -0.9])
+    adv = torch.tensor([0.7, -1.3])
+
+    def micro_step(v):
+        step = kernels.sde_step(x, v, sig, sig - 0.05, 0.7, sig, prev_sample=prev, backend="cpp")
+        loss, _ = kernels.ppo_clip_loss(step.log_prob, old, adv, 0.2, 5.0, backend="auto")  # torch on CPU
+        kl = kernels.kl_to_reference(step.mean, step.mean.detach() + 0.01, step.std, backend="cpp").mean()
+        return loss + 0.1 * kl
+
+    def value_and_grad(fn):
+        vg = v.clone().requires_grad_(True)
+        loss = fn(vg)
+        loss.backward()
+        return loss.detach(), vg.grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(micro_step, backend="inductor", fullgraph=True)
+    eager_loss, eager_grad = value_and_grad(micro_step)
+    loss, grad = value_and_grad(compiled)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-9)
+    assert grad.abs().sum() > 0
