@@ -37,7 +37,7 @@ def _qwen_recipe_without_defaults(tmp_path):
 
 
 def test_every_family_names_its_own_checkpoint_and_targets():
-    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image_edit"}
+    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image_edit", "sd3"}
     assert FluxPolicy.default_path == "black-forest-labs/FLUX.1-dev"
     assert KontextPolicy.default_path == "black-forest-labs/FLUX.1-Kontext-dev"
     assert QwenEditPolicy.default_path == "Qwen/Qwen-Image-Edit"

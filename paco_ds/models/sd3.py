@@ -1,0 +1,234 @@
+"""Stable Diffusion 3.5 as a `Policy`: three text encoders (CLIP-L, CLIP-G, T5), classifier-free
+guidance in one batched forward, and the SD3 scheduler's sigma schedule.
+
+Follows Flow-GRPO's SD3 code (github.com/yifan123/flow_grpo):
+
+- prompts: flow_grpo/diffusers_patch/train_dreambooth_lora_sd3.py `encode_prompt`. Each CLIP gives
+  its penultimate hidden states (77 tokens, padded to max length) and its projected pooled vector;
+  the two CLIP sequences are concatenated on the feature axis, zero-padded to T5's width and put in
+  front of T5's `max_sequence_length` tokens; the pooled vectors are concatenated (768 + 1280). The
+  embeddings are computed once per sample at rollout time and cached in the Trajectory, as for FLUX.
+- guidance: the negative prompt is the empty string, encoded once (scripts/train_sd3.py,
+  `neg_prompt_embed`). With guidance > 1 every velocity is one transformer call on the batch
+  doubled as [uncond | cond] (flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py while
+  sampling, scripts/train_sd3.py `compute_log_prob` while training), then
+  v = v_u + g (v_c - v_u). With gradients on, v_u is detached, as `compute_log_prob` does: the
+  policy gradient flows through the conditional branch only.
+- schedule: FlowMatchEulerDiscreteScheduler with SD3.5's config (shift 3, no dynamic shifting) and
+  no explicit sigmas, as the pipeline calls it: N sigmas evenly spaced in t between the training
+  schedule's first and last, shifted by s -> shift s / (1 + (shift - 1) s), then 0. The
+  transformer reads timestep = 1000 sigma.
+- SDE: flow_grpo/diffusers_patch/sd3_sde_with_logprob.py is the project's `flow_grpo` SDE type
+  (kernels/sde_reference.py, same mean, std and per-element-averaged Gaussian log-prob, the same
+  sigma == 1 guard with sigmas[1]); tests/test_sd3.py checks it against a transcription of that file.
+
+Latents are kept packed as 2x2 patches [B, L, 4C] like FLUX's, so every part of the trainer sees
+the same layout; they are unpacked to [B, C, H, W] for the transformer (which patchifies itself)
+and the VAE. The VAE runs in fp32, as Flow-GRPO keeps it.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from paco_ds.config import ModelConfig
+from paco_ds.dtypes import resolve_dtype
+from paco_ds.models.base import Policy, TextEmbeds, pack_2x2, unpack_2x2
+from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
+from paco_ds.sampling.schedule import ShiftConfig
+
+log = logging.getLogger(__name__)
+
+CLIP_MAX_LENGTH = 77
+
+
+def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    p = next(module.parameters(), None)
+    if p is not None and (p.device != device or p.dtype != dtype):
+        module.to(device=device, dtype=dtype)
+
+
+def sd3_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """num_steps + 1 sigmas (float32) of FlowMatchEulerDiscreteScheduler.set_timesteps(num_steps)
+    without dynamic shifting: the training schedule's extremes (computed in float32 as the scheduler
+    builds them), N times evenly spaced between them (float64), shifted, cast, terminal 0."""
+    train = torch.arange(num_train_timesteps, 0, -1, dtype=torch.float32) / num_train_timesteps
+    train = shift * train / (1 + (shift - 1) * train)
+    t_max, t_min = train[0].item() * num_train_timesteps, train[-1].item() * num_train_timesteps
+    s = np.linspace(t_max, t_min, num_steps) / num_train_timesteps
+    s = shift * s / (1 + (shift - 1) * s)
+    return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
+
+
+class SD3Policy(Policy):
+    default_path = "stabilityai/stable-diffusion-3.5-medium"
+    # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py): the joint attention's projections of
+    # both streams. As peft suffixes they match `attn.*` only, not SD3.5-M's second image
+    # attention `attn2.*`, exactly as in Flow-GRPO.
+    lora_targets = (
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+    )
+
+    def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
+                 text_encoder_3: nn.Module, tokenizer, tokenizer_2, tokenizer_3, scheduler_config: dict,
+                 device: torch.device, dtype: torch.dtype, max_sequence_length: int = 128):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = text_encoder, text_encoder_2, text_encoder_3
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        if scheduler_config.get("use_dynamic_shifting") or any(
+                scheduler_config.get(k) for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas",
+                                                  "use_beta_sigmas", "invert_sigmas")):
+            raise ValueError(f"unsupported SD3 scheduler config {scheduler_config}: only a fixed shift is implemented")
+        self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
+        self.shift = ShiftConfig(use_dynamic_shifting=False, shift=float(scheduler_config.get("shift", 1.0)))
+        self.device, self.dtype = device, dtype
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.size_multiple = self.vae_scale_factor * 2  # the transformer's 2x2 patches
+        self.latent_channels = vae.config.latent_channels
+        for m in (vae, text_encoder, text_encoder_2, text_encoder_3):
+            m.requires_grad_(False).eval()
+        _move(vae, device, torch.float32)
+        for m in (text_encoder, text_encoder_2, text_encoder_3):
+            _move(m, device, dtype)
+        # The negative prompt of classifier-free guidance, encoded once (kept on the CPU).
+        self.negative = self.encode_prompts([""]).to("cpu")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "SD3Policy":
+        """SD3.5 from `cfg.path` (hub id or local directory in diffusers' layout), the transformer
+        partitioned from the start under ZeRO-3 (zero_load.py); or the tiny offline parts."""
+        dtype = resolve_dtype(cfg.dtype, device)
+        if cfg.tiny:
+            from paco_ds.models.tiny_sd3 import tiny_sd3_components
+
+            parts = tiny_sd3_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
+            max_len = min(cfg.max_sequence_length, 64)
+        else:
+            parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
+            max_len = cfg.max_sequence_length
+        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
+            _move(parts["transformer"], device, dtype)
+        return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
+
+    @staticmethod
+    def _from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+        """stabilityai/stable-diffusion-3.5-medium (or a local copy with its layout); only runs where
+        the weights are. Under ZeRO-3 the transformer is loaded partitioned; the rest whole."""
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+        kw = {"revision": revision} if revision else {}
+        log.info("loading SD3 components from %s", path)
+        if is_zero3(ds_config):
+            transformer = build_partitioned(SD3Transformer2DModel, local_subfolder(path, "transformer", revision),
+                                            ds_config, dtype)
+        else:
+            transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw)
+        # The autoencoder class the folder names: SD3.5's AutoencoderKL, or a tiny 8x one (TAESD3's
+        # AutoencoderTiny decodes the same latents, faster).
+        vae_class = diffusers.AutoencoderKL.load_config(path, subfolder="vae", **kw).get("_class_name", "AutoencoderKL")
+        if vae_class not in ("AutoencoderKL", "AutoencoderTiny"):
+            raise ValueError(f"{path}/vae: {vae_class} is not an SD3 autoencoder (AutoencoderKL or AutoencoderTiny)")
+        return {
+            "transformer": transformer,
+            "vae": getattr(diffusers, vae_class).from_pretrained(path, subfolder="vae", torch_dtype=torch.float32, **kw),
+            "text_encoder": CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder", dtype=dtype,
+                                                                        **kw),
+            "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2",
+                                                                          dtype=dtype, **kw),
+            "text_encoder_3": T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=dtype, **kw),
+            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
+            "tokenizer_2": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kw),
+            "tokenizer_3": T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3", **kw),
+            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
+        }
+
+    def text_encoders(self) -> list[nn.Module]:
+        return [self.text_encoder, self.text_encoder_2, self.text_encoder_3]
+
+    # ------------------------------------------------------------------ text
+    def _clip(self, encoder: nn.Module, tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenizer(prompts, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
+                        return_tensors="pt").input_ids
+        out = encoder(ids.to(encoder.device), output_hidden_states=True)
+        return out.hidden_states[-2], out.text_embeds  # penultimate layer; projected pooled vector
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], condition=None) -> TextEmbeds:
+        seq_l, pooled_l = self._clip(self.text_encoder, self.tokenizer, prompts)
+        seq_g, pooled_g = self._clip(self.text_encoder_2, self.tokenizer_2, prompts)
+        ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_tensors="pt").input_ids
+        t5 = self.text_encoder_3(ids.to(self.text_encoder_3.device))[0]
+        clip = torch.cat([seq_l, seq_g], dim=-1)
+        clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        embeds = torch.cat([clip.to(t5.dtype), t5], dim=-2)
+        pooled = torch.cat([pooled_l, pooled_g], dim=-1)
+        return TextEmbeds(prompt_embeds=embeds.to(self.dtype), pooled=pooled.to(self.dtype))
+
+    # ------------------------------------------------------------------ schedule and latents
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        return sd3_sigmas(num_steps, self.shift.shift, self.num_train_timesteps)
+
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        f = self.size_multiple
+        if height % f or width % f:
+            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def latent_seq_len(self, height: int, width: int) -> int:
+        h, w = self.latent_hw(height, width)
+        return (h // 2) * (w // 2)
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack_2x2(latents)
+
+    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return unpack_2x2(latents, *self.latent_hw(height, width))
+
+    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
+        h, w = self.latent_hw(height, width)
+        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
+        return self.pack(noise).to(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ transformer / VAE
+    def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,
+                 height: int, width: int, guidance: float, condition=None) -> torch.Tensor:
+        """The guided velocity (packed like `latents`): one transformer call, on [uncond | cond]
+        when guidance > 1."""
+        b = latents.shape[0]
+        x = self.unpack(latents.to(self.dtype), height, width)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(b)
+        # The scheduler's timesteps: float32 sigma x 1000, as the pipeline hands them over.
+        t = sigma * self.num_train_timesteps
+        text = embeds.prompt_embeds.to(self.device, self.dtype)
+        pooled = embeds.pooled.to(self.device, self.dtype)
+        cfg = guidance > 1
+        if cfg:
+            neg = self.negative.to(self.device, self.dtype)
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            text = torch.cat([neg.prompt_embeds.expand(b, -1, -1), text])
+            pooled = torch.cat([neg.pooled.expand(b, -1), pooled])
+        # float32 like the pipeline's: 1000 sigma in bf16 would be rounded to steps of 4.
+        out = module(hidden_states=x, timestep=t, encoder_hidden_states=text,
+                     pooled_projections=pooled, return_dict=False)[0]
+        if cfg:
+            uncond, cond = out.chunk(2)
+            uncond = uncond.detach()  # compute_log_prob's stop-gradient (no-op while sampling)
+            out = uncond + guidance * (cond - uncond)
+        return self.pack(out)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        x = self.unpack(latents.to(self.device, torch.float32), height, width)
+        x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        images = self.vae.decode(x, return_dict=False)[0]
+        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
