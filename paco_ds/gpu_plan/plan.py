@@ -383,8 +383,8 @@ def verdict(plan: GpuPlan) -> str:
     over = [p for p in PHASES if plan.total(p) > plan.capacity]
     head = f"{plan.world_size} x {plan.gpu_gib:g} GiB"
     if not over:
-        return (f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} "
-                f"({plan.capacity - plan.total(peak) >= 0 and (plan.capacity - plan.total(peak)) / GiB:.1f} GiB free)")
+        free = (plan.capacity - plan.total(peak)) / GiB
+        return f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} ({free:.1f} GiB free)"
     lines = []
     for phase in over:
         mem = plan.memory[phase]
