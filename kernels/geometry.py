@@ -13,10 +13,12 @@ SDE_BLOCK = 1024
 FINALIZE_BLOCKS = (16, 32, 64, 128, 256, 512, 1024)  # every value finalize_block() can return
 
 # GRPO advantages: samples per program (and the edge of the group-search tile). fp64 tiles cost 2
-# registers per element and thread: 64 x 64 tiles on 4 warps spilled on sm_90 (255 registers);
-# 32 x 32 tiles on 8 warps compile to at most ~110 registers without spills (kernels/aot.py).
-ADV_BLOCK = 32
-ADV_WARPS = 8
+# registers per element and thread: 64 x 64 tiles on 4 warps compiled to 255 registers and up to
+# 1.8 KB of spills per thread on sm_90; 16 x 16 tiles on 4 warps take at most 80 registers. What
+# spills is left (8-16 B in 2 of 32 configurations on sm_90, none on sm_80) is ptxas saving
+# registers around its fp64 division and square-root subroutines, once per program.
+ADV_BLOCK = 16
+ADV_WARPS = 4
 ADV_BLOCK_KS = (2, 4, 8, 16)  # reward types per batch, padded to a power of two (at most 16)
 MAX_REWARD_TYPES = ADV_BLOCK_KS[-1]
 
