@@ -39,7 +39,7 @@ bench: setup
 
 # Every Triton kernel compiled for sm_90 and sm_80 under the GPU machines' Triton (3.6.0; the venv has a
 # newer one), in a side venv holding only triton: compiling needs no torch and no GPU (kernels/aot.py).
-# About 3 min on 2 cores with a cold Triton cache, plus the wheel's download on first use.
+# 480 compiles: about 3 min on 2 quiet cores with a cold Triton cache, plus the wheel download on first use.
 TRITON36_VENV ?= build/venv-triton36
 
 test-triton36:
