@@ -21,3 +21,20 @@ def test_bench_quick_run_writes_json_and_png(tmp_path):
     assert adv["numpy"]["speedup_vs_eager"] == 1 and adv["torch"]["baseline"] == "numpy"
     assert report["targets"]["backend"] == "cpp" and set(report["targets"]["speedup_vs_eager_by_batch"]) == {"1", "4"}
     assert "sde_fwd_bwd" in out.stdout and "vs eager" in out.stdout
+
+
+def test_bench_prints_the_committed_compile_table(capsys):
+    """`python -m kernels.bench --aot` prints, per GPU arch, every compiled kernel's worst registers,
+    spills, shared memory and occupancy from kernels/bench/results/aot_sm*.json (under a second)."""
+    import importlib
+
+    from kernels import aot
+
+    bench = importlib.import_module("kernels.bench.__main__")
+    assert bench.main(["--aot"]) == 0
+    out = capsys.readouterr().out
+    for arch in aot.ARCHS:
+        doc = json.loads((aot.RESULTS / f"aot_sm{arch}.json").read_text())
+        for row in doc["summary"]:
+            line = next(l for l in out.splitlines() if l.startswith(f"sm_{arch}") and f" {row['kernel']} " in l)
+            assert line.split()[2:5] == [str(row["configs"]), str(row["failed"]), str(row["registers"])]
