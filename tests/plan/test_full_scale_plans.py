@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("PACO_TEST_PLAN") != "1",
 T2IS_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
 EDIT_DATA = ["data.train_file=paco_ds/data/prompts/tiny_edit/train_metadata.jsonl",
-             "data.test_file=paco_ds/data/prompts/tiny_edit/test_metadata.jsonl", "sample.prompts_per_epoch=8"]
+             "data.test_file=paco_ds/data/prompts/tiny_edit/test_metadata.jsonl", "sample.prompts_per_epoch=7"]
 GiB = 2 ** 30
 
 
