@@ -86,7 +86,8 @@ def sde_fwd(x_ptr, v_ptr, src_ptr, coef_ptr, partial_ptr, prev_ptr, mean_ptr, N,
     sd = tl.load(coef_ptr + b * 6 + 2)
     row = b.to(tl.int64) * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.static_range(0, CHUNK, BLOCK):
+    # a loop, not tl.static_range: unrolled, the fp16 forward spilled under triton 3.6.0
+    for start in range(0, CHUNK, BLOCK):
         offs = c * CHUNK + start + tl.arange(0, BLOCK)
         m = offs < N  # masked lanes load zeros everywhere, so their residual is exactly 0
         x = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
@@ -169,7 +170,7 @@ def kl_fwd(a_ptr, b_ptr, partial_ptr, N, n_chunk, CHUNK: tl.constexpr, BLOCK: tl
     b = tl.program_id(1)
     row = b.to(tl.int64) * N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in tl.static_range(0, CHUNK, BLOCK):
+    for start in range(0, CHUNK, BLOCK):
         offs = c * CHUNK + start + tl.arange(0, BLOCK)
         m = offs < N
         d = (tl.load(a_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
