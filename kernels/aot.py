@@ -51,7 +51,6 @@ SOURCES = {
     "_triton_grpo.py": ("grpo_advantages", "ppo_fwd", "ppo_bwd"),
     "_triton_weighted_ce.py": ("ce_rows",),
 }
-FLOAT = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 NATIVE = ("fp32", "bf16", "fp16")
 # Register file and limits per SM of sm_80 and sm_90 (CUDA occupancy calculator's tables).
 SM = {80: dict(regs=65536, warps=64, blocks=32, smem=167936), 90: dict(regs=65536, warps=64, blocks=32, smem=232448)}
@@ -114,7 +113,8 @@ ADV = ["r_ptr", "w_ptr", "g_ptr", "param_ptr", "adv_ptr", "comb_ptr", "cv_ptr", 
 PPO_FWD = ["lp_ptr", "old_ptr", "adv_ptr", "out_ptr", "B", "lo", "hi", "clip_range", "adv_clip", "BLOCK"]
 PPO_BWD = ["lp_ptr", "old_ptr", "adv_ptr", "g_ptr", "grad_ptr", "B", "lo", "hi", "adv_clip", "BLOCK"]
 CE = ["logits_ptr", "stride", "labels_ptr", "coef_ptr", "ce_ptr", "pred_ptr", "V", "WRITE_GRAD", "BLOCK"]
-ORDER = {"sde_coefficients": SDE_COEF, "sde_fwd": SDE_FWD, "sde_finalize": SDE_FIN, "sde_bwd": SDE_BWD, "kl_fwd": KL_FWD, "kl_finalize": KL_FIN,
+ORDER = {"sde_coefficients": SDE_COEF, "sde_fwd": SDE_FWD, "sde_finalize": SDE_FIN, "sde_bwd": SDE_BWD, "kl_fwd": KL_FWD,
+         "kl_finalize": KL_FIN,
          "kl_bwd": KL_BWD, "grpo_advantages": ADV, "ppo_fwd": PPO_FWD, "ppo_bwd": PPO_BWD, "ce_rows": CE}
 
 

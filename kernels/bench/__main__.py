@@ -343,7 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for <device>.json and <device>.png")
     ap.add_argument("--aot", action="store_true", help="only print the registers, spills, shared memory and "
-                    "occupancy of every Triton kernel compiled for sm_90 and sm_80 (kernels/bench/results/aot_sm*.json, "
+                    "occupancy of every Triton kernel compiled for sm_90 and sm_80 "
+                    "(kernels/bench/results/aot_sm*.json, "
                     "written by `python -m kernels.aot`) and exit")
     args = ap.parse_args(argv)
     if args.aot:

@@ -168,7 +168,8 @@ def test_launch_sites_make_only_enumerated_configurations(recorded):
                 weighted_ce.rows_triton(torch.zeros(3, v, dtype=dtype), torch.zeros(3, dtype=torch.int64),
                                         torch.zeros(3), grad)
     for n in (1, 50, 70_000):  # a row of 2048 * n_chunk elements: finalize blocks 16 .. 1024
-        T.sde_fwd(torch.zeros(1, n), torch.zeros(1, n), torch.zeros(1, n), torch.full((1, 3), 0.5), 0.7, 0, False, False)
+        row = torch.zeros(1, n)
+        T.sde_fwd(row, row, row, torch.full((1, 3), 0.5), 0.7, 0, False, False)
     for k in (1, 2, 3, 5, 16):
         for tame in (None, "mean", "median", 0.5):
             for global_std in (True, False):
