@@ -7,7 +7,6 @@ world size 1) for the one-line exit 2.
 from __future__ import annotations
 
 import json
-import time
 import typing
 from pathlib import Path
 
@@ -126,21 +125,18 @@ def test_the_same_key_in_two_mappings_and_in_a_base_is_fine(tmp_path):
     assert cfg.train.num_epochs == 2 and cfg.test.num_steps == 2
 
 
-def test_an_alias_bomb_is_refused_quickly(tmp_path):
+@pytest.mark.timeout(120)  # expanded, the document would never finish loading: a hang is the failure
+def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     for i in range(1, 10):  # 10^10 values once expanded
         lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
     path = _recipe(tmp_path, "\n".join(lines) + "\n")
-    t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=r"r.yaml:\d+: the document expands past 100,000 values through its "
                                           r"aliases"):
         load_config(path)
-    assert time.perf_counter() - t0 < 5
     # the same through --set
-    t0 = time.perf_counter()
     with pytest.raises(ConfigError, match="expands past"):
         load_config(TINY, ["train.timesteps=" + "{" + ", ".join(lines) + "}"])
-    assert time.perf_counter() - t0 < 5
 
 
 def test_aliases_within_bounds_still_work(tmp_path):

@@ -164,12 +164,11 @@ def test_a_failed_batch_stops_the_next_submit_not_the_end_of_the_epoch(judge):
         judge.answer = _answer(top=[{"token": "Yes", "logprob": 7.0}])
         runner.submit(_grids(1), [ITEM["prompt"]], [ITEM])
         deadline = time.monotonic() + 20
-        t0 = time.monotonic()
         with pytest.raises(RewardError, match=f"{judge.url}.*top_logprobs\\[0\\].logprob' is 7.0"):
             while time.monotonic() < deadline:
                 runner.submit(_grids(1, seed=int(time.monotonic() * 1000) % 1000), [ITEM["prompt"]], [ITEM])
                 time.sleep(0.05)
-        assert time.monotonic() - t0 < 20 and runner.pending == []
+        assert runner.pending == []
     finally:
         runner.close()
 
