@@ -188,6 +188,9 @@ def _ppo_op(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tenso
 
 @_ppo_op.register_fake
 def _(log_prob, old_log_prob, adv, clip_range, adv_clip):
+    from kernels.sde_logprob import check_devices
+
+    check_devices(torch.ops.paco.ppo_clip.default, log_prob, old_log_prob, adv)
     return log_prob.new_empty((7,), dtype=torch.float32)
 
 

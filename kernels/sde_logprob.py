@@ -174,6 +174,17 @@ IMPLS = {"triton": _TritonImpl, "cpp": _CppImpl}
 _EMPTY = (0,)
 
 
+def check_devices(op, *tensors) -> None:
+    """Inputs on more than one device raise, as torch's own ops do under FakeTensorMode (and a
+    kernel would fault on a GPU): a fake implementation must not hide a host tensor in a CUDA op."""
+    devices = [t.device for t in tensors if isinstance(t, torch.Tensor)]
+    other = next((d for d in devices if d != devices[0]), None)
+    if other is not None:
+        from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+        raise FakeTensorDeviceMismatchError(func=op, common_device=devices[0], device=other)
+
+
 def _empty_like_row(x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return x.new_empty(_EMPTY, dtype=dtype)
 
@@ -190,6 +201,7 @@ def _sde_logprob_op(x: torch.Tensor, v: torch.Tensor, src: torch.Tensor, sig: to
 
 @_sde_logprob_op.register_fake
 def _(x, v, src, sig, a, sde_type, sample, want_mean, backend):
+    check_devices(torch.ops.paco.sde_logprob.default, x, v, src, sig)
     b = x.shape[0]
     return (x.new_empty((b,), dtype=torch.float32), x.new_empty((b,), dtype=torch.float32),
             torch.empty_like(x) if sample else _empty_like_row(x, x.dtype),
@@ -240,6 +252,7 @@ def _kl_op(m: torch.Tensor, mr: torch.Tensor, std: torch.Tensor, backend: str) -
 
 @_kl_op.register_fake
 def _(m, mr, std, backend):
+    check_devices(torch.ops.paco.kl_to_reference.default, m, mr, std)
     return m.new_empty((m.shape[0],), dtype=torch.float32)
 
 

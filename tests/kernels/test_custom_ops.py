@@ -131,3 +131,16 @@ def test_compiled_logprob_and_ppo_micro_step_equals_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-9)
     assert grad.abs().sum() > 0
+
+
+def test_a_host_tensor_in_a_fused_op_on_fake_cuda_raises():
+    """As torch's ops do under FakeTensorMode (and a kernel would on a GPU): the fake impl of the
+    Triton SDE op does not hide a CPU noise tensor among CUDA inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    with FakeTensorMode():
+        x = torch.empty(B, L, C, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            kernels.sde_step(x, x, 0.9, 0.85, 0.7, 0.9, noise=torch.empty(B, L, C), backend="triton")
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            kernels.ppo_clip_loss(torch.empty(4, device="cuda"), torch.empty(4), torch.empty(4, device="cuda"), 0.2, 5.0)
