@@ -143,4 +143,5 @@ def test_a_host_tensor_in_a_fused_op_on_fake_cuda_raises():
         with pytest.raises(FakeTensorDeviceMismatchError):
             kernels.sde_step(x, x, 0.9, 0.85, 0.7, 0.9, noise=torch.empty(B, L, C), backend="triton")
         with pytest.raises(FakeTensorDeviceMismatchError):
-            kernels.ppo_clip_loss(torch.empty(4, device="cuda"), torch.empty(4), torch.empty(4, device="cuda"), 0.2, 5.0)
+            lp = torch.empty(4, device="cuda")
+            kernels.ppo_clip_loss(lp, torch.empty(4), torch.empty_like(lp), 0.2, 5.0)
