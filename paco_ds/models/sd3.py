@@ -96,8 +96,10 @@ class SD3Policy(Policy):
         _move(vae, device, torch.float32)
         for m in (text_encoder, text_encoder_2, text_encoder_3):
             _move(m, device, dtype)
-        # The negative prompt of classifier-free guidance, encoded once (kept on the CPU).
+        # The negative prompt of classifier-free guidance, encoded once (kept on the CPU; a copy on
+        # the device is made once, not at every forward).
         self.negative = self.encode_prompts([""]).to("cpu")
+        self._negative_here: TextEmbeds | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -213,7 +215,9 @@ class SD3Policy(Policy):
         pooled = embeds.pooled.to(self.device, self.dtype)
         cfg = guidance > 1
         if cfg:
-            neg = self.negative.to(self.device, self.dtype)
+            if self._negative_here is None:
+                self._negative_here = self.negative.to(self.device, self.dtype)
+            neg = self._negative_here
             x, t = torch.cat([x, x]), torch.cat([t, t])
             text = torch.cat([neg.prompt_embeds.expand(b, -1, -1), text])
             pooled = torch.cat([neg.pooled.expand(b, -1), pooled])
