@@ -88,8 +88,13 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        # One state per GPU visible when saved; a resume may see more or fewer (another
+        # CUDA_VISIBLE_DEVICES, a node with another GPU count): restore the devices both have.
+        # A rank works on its own device, whose index is the same when the layout is.
+        for device, s in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, device)
 
 
 class CheckpointManager:
@@ -103,11 +108,12 @@ class CheckpointManager:
         return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
                       and (p / "meta.json").is_file())
 
-    def save(self, engine, tag: str, state: dict, meta: dict, write_extra=None) -> Path:
+    def save(self, engine, tag: str, state: dict, meta: dict, write_extra=None, rng: dict | None = None) -> Path:
         """Collective: every rank calls it. `state` is this rank's state, `meta` rank 0's summary.
         `write_extra(staging_dir)`, when given, writes more files on rank 0 before the checkpoint is
         published (e.g. an exported adapter), so they are part of the atomic checkpoint. The world
-        size is recorded: ZeRO partitions and per-rank states only load into the same one."""
+        size is recorded: ZeRO partitions and per-rank states only load into the same one. `rng`:
+        the RNG states to record instead of the current ones (a state captured earlier)."""
         meta = {**meta, "world_size": self.world_size}
         staging = self.root / f".staging-{tag}"
         if self.is_main:
@@ -117,7 +123,7 @@ class CheckpointManager:
         barrier()
         if engine is not None:
             engine.save_checkpoint(str(self.root), tag=staging.name, exclude_frozen_parameters=True, save_latest=False)
-        torch.save({**state, "rng": rng_state()}, staging / f"trainer_state_rank{self.rank}.pt")
+        torch.save({**state, "rng": rng if rng is not None else rng_state()}, staging / f"trainer_state_rank{self.rank}.pt")
         barrier()
         final = self.root / tag
         if self.is_main:

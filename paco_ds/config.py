@@ -319,6 +319,11 @@ class LoggingConfig(Section):
 class CheckpointConfig(Section):
     save_freq: int = Field(10, ge=0)  # epochs; 0 disables
     keep_last: int = Field(3, ge=1)
+    # Preemption (a scheduler's SIGTERM, then SIGKILL after a grace period): the ranks finish the
+    # current micro-step, save a checkpoint together and exit 75, all within sigterm_grace_s.
+    # Off: a SIGTERM or the launcher's end stops the run at once (docs/robustness.md).
+    save_on_sigterm: bool = False
+    sigterm_grace_s: float = Field(25.0, gt=0, le=86400, allow_inf_nan=False)
 
 
 class KernelsConfig(Section):

@@ -42,14 +42,18 @@ def setup_distributed() -> DistInfo:
     if _cpu_only():
         # The shm comm op is JIT-compiled on first use (about a minute); gloo alone is enough here.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cpu") if _cpu_only() else torch.device("cuda", local_rank)
+    if not _cpu_only():
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized() and not _cpu_only() and int(os.environ["WORLD_SIZE"]) > 1:
+        # NCCL bound to this rank's device at init, whatever DeepSpeed's version does: the
+        # communicators are created on the right GPU instead of guessed at the first collective.
+        # (A world of one is left unbound: a bound group builds every later group by splitting.)
+        torch.distributed.init_process_group("nccl", device_id=device)
+        deepspeed.init_distributed(dist_backend="nccl")  # DeepSpeed's comm layer over that group
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if _cpu_only() else "nccl")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if _cpu_only():
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                     local_rank=local_rank, device=device)
 

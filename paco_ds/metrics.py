@@ -12,6 +12,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from paco_ds.errors import DataError
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +44,21 @@ class MetricsLogger:
         they will be run again."""
         if not (self.enabled and self.path.is_file()):
             return
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l).get(key, -1) < epoch]
+        lines = [l for l in self.path.read_text(errors="replace").splitlines() if l.strip()]
+        rows = []
+        for n, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(line)
+                rows.append((line, row))
+            except ValueError:
+                if n < len(lines):  # only a kill mid-write explains a bad line, and it can only be the last
+                    raise DataError(f"{self.path}:{n}: not a JSON object; the metrics file is damaged "
+                                    "(fix or remove that line to resume)") from None
+                log.warning("%s:%d: dropping a torn last line (the run was killed while writing it): %.60s",
+                            self.path, n, line)
+        keep = [line for line, row in rows if row.get(key, -1) < epoch]
         self.path.write_text("".join(l + "\n" for l in keep))
 
     def log(self, metrics: dict, step: int) -> None:

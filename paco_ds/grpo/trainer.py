@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from paco_ds.checkpoint import CheckpointManager
+from paco_ds import stopping
+from paco_ds.checkpoint import CheckpointManager, rng_state
 from paco_ds.config import Config
 from paco_ds.data import KRepeatSampler, PromptItem, load_prompts, read_reference
 from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true, barrier,
@@ -131,6 +132,9 @@ class GRPOTrainer:
         self.epoch = 0
         self.global_step = 0
         self.nonfinite_streak = 0
+        self._partial: dict | None = None  # a mid-epoch (preemption) checkpoint's epoch to finish
+        self._start_saved = False  # this epoch's start is a checkpoint already
+        self._start_rng: dict | None = None
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self, resume: str | Path | None = None) -> None:
@@ -147,22 +151,35 @@ class GRPOTrainer:
             (self.run_dir / "config.yaml").write_text(recipe_to_yaml(cfg))
             log.info("run directory: %s", self.run_dir)
         while self.epoch < cfg.train.num_epochs:
-            metrics = {"epoch": self.epoch} | self._colocated_judges(wake=True)
-            self.policy.park_text_encoders(False)  # evaluation and sampling encode prompts
-            if _due(self.epoch, cfg.test.eval_freq):
-                metrics |= self.evaluate()
-            if _due(self.epoch, cfg.checkpoint.save_freq) and not resumed:
-                self.save()
-            resumed = False
-            t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
-            samples = self.sample_epoch()
-            t_sample = time.perf_counter() - t0
-            self.policy.park_text_encoders(True)  # the epoch's embeddings are cached: off the GPU until next epoch
-            metrics |= self.score_epoch(samples)
-            t_reward = time.perf_counter() - t0 - t_sample
-            metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
-            metrics |= self._colocated_judges(wake=False)
-            metrics |= self.train_epoch(samples)
+            partial, self._partial = self._partial, None
+            if partial is None:
+                metrics = {"epoch": self.epoch} | self._colocated_judges(wake=True)
+                self.policy.park_text_encoders(False)  # evaluation and sampling encode prompts
+                if _due(self.epoch, cfg.test.eval_freq):
+                    metrics |= self.evaluate()
+                saved = _due(self.epoch, cfg.checkpoint.save_freq) and not resumed
+                if saved:
+                    self.save()
+                # Until scoring, the state is the epoch's start: a preemption saves it as that.
+                self._start_saved, self._start_rng = saved or resumed, rng_state()
+                resumed = False
+                self._check_preemption()
+                t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
+                samples = self.sample_epoch()
+                t_sample = time.perf_counter() - t0
+                self.policy.park_text_encoders(True)  # the epoch's embeddings are cached: off the GPU until next epoch
+                metrics |= self.score_epoch(samples)
+                t_reward = time.perf_counter() - t0 - t_sample
+                metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
+                metrics |= self._colocated_judges(wake=False)
+            else:  # resumed from a preemption checkpoint: this epoch's rollouts and scores are in it
+                metrics, samples = dict(partial["metrics"]), EpochSamples(partial["samples"])
+                self.policy.park_text_encoders(True)
+                self._colocated_judges(wake=False)
+                resumed = False
+                t0, t_sample, t_reward = time.perf_counter(), 0.0, 0.0
+            self._start_rng = None
+            metrics |= self.train_epoch(samples, metrics, partial)
             t_train = time.perf_counter() - t0 - t_sample - t_reward
             metrics |= {"time/sample": t_sample, "time/reward_wait": t_reward, "time/train": t_train,
                         "time/epoch": time.perf_counter() - t0, "global_step": self.global_step,
@@ -241,6 +258,7 @@ class GRPOTrainer:
                     # scores while we sample on; editing rewards compare against the original references
                     self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, _references(traj))
                     out.trajectories.append(traj)
+                self._check_preemption()  # every rank has the same number of rollout batches
         return out
 
     def _rollout(self, module, picks: list[tuple[PromptItem, int, int]], h: int, w: int) -> Trajectory:
@@ -334,7 +352,9 @@ class GRPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------------------------ 4. train
-    def train_epoch(self, samples: EpochSamples) -> dict:
+    def train_epoch(self, samples: EpochSamples, metrics: dict | None = None, partial: dict | None = None) -> dict:
+        """`metrics`: the epoch's so far, kept in a preemption checkpoint; `partial`: such a
+        checkpoint's training state, to continue after its last micro-step."""
         cfg = self.cfg
         entries = [(t, i) for t in samples.trajectories for i in range(len(t))]
         kept = [(t, i) for t, i in entries if t.keep[i]]
@@ -350,9 +370,17 @@ class GRPOTrainer:
         stats: dict[str, list[float]] = {}
         first_ratio = None
         self.forwards = 0
+        done = 0  # micro-steps of this epoch already taken (before a preemption checkpoint)
+        if partial is not None:
+            stats, first_ratio, self.forwards, done = (partial["stats"], partial["first_ratio"], partial["forwards"],
+                                                       partial["done"])
+            self._restore_accumulation(partial)
         total = cfg.train.num_inner_epochs * n_micro * len(timesteps)
-        bar = tqdm(total=total, desc=f"epoch {self.epoch} train", disable=not self.dist.is_main, leave=False)
+        bar = tqdm(total=total, initial=done, desc=f"epoch {self.epoch} train", disable=not self.dist.is_main,
+                   leave=False)
         self.engine.train()
+        flat = 0
+        self._check_preemption(samples, metrics, {"stats": stats, "first_ratio": first_ratio, "done": done})
         for inner in range(cfg.train.num_inner_epochs):
             gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.rank)
             pool = kept or entries
@@ -360,11 +388,17 @@ class GRPOTrainer:
             padded = order + [None] * (n_micro * bs - len(order))  # None: a zero-advantage filler
             group_len = n_micro * len(timesteps) // steps_per_epoch  # micro-steps per optimizer step
             for m in range(n_micro):
+                if flat + len(timesteps) <= done:  # taken before the preemption checkpoint
+                    flat += len(timesteps)
+                    continue
                 chunk = padded[m * bs:(m + 1) * bs]
                 batch = gather_samples([e if e is not None else pool[j % len(pool)] for j, e in enumerate(chunk)])
                 batch.advantages[[j for j, e in enumerate(chunk) if e is None]] = 0.0  # fillers: no gradient
                 batch.keep[[j for j, e in enumerate(chunk) if e is None]] = False
                 for t in timesteps:
+                    flat += 1
+                    if flat <= done:
+                        continue
                     k = m * len(timesteps) + t
                     step_stats = self._micro_step(batch, t, boundary=(k + 1) % group_len == 0, scale=group_len)
                     if first_ratio is None and "ratio" in step_stats:  # DiffusionNFT has no ratio
@@ -372,6 +406,8 @@ class GRPOTrainer:
                     for key, v in step_stats.items():
                         stats.setdefault(key, []).append(v)
                     bar.update(1)
+                    self._check_preemption(samples, metrics, {"stats": stats, "first_ratio": first_ratio,
+                                                              "done": flat})
         bar.close()
         out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite",)}
         out = all_reduce_mean(out)
@@ -408,6 +444,50 @@ class GRPOTrainer:
                 out["grad_norm"] = float(norm)
         return out
 
+    # ------------------------------------------------------------------------------------ preemption
+    def _check_preemption(self, samples: EpochSamples | None = None, metrics: dict | None = None,
+                          progress: dict | None = None) -> None:
+        """With checkpoint.save_on_sigterm: when any rank was asked to stop, every rank saves a
+        checkpoint here together and the run ends with Preempted. Collective: every rank calls it
+        at the same points. Before scoring (no `samples`) the state is the epoch's start; after
+        it, a mid-epoch checkpoint keeps the epoch's rollouts, metrics and progress."""
+        control = stopping.current()
+        if control is None or not control.save_first or not any_true(control.requested):
+            return
+        if samples is None:
+            path = self.ckpt.root / f"epoch_{self.epoch:04d}"
+            if not self._start_saved:
+                path = self.ckpt.save(self.engine, path.name, self.state(), self._meta(), rng=self._start_rng)
+        else:
+            partial = {"samples": samples.trajectories, "metrics": metrics or {}, "forwards": self.forwards,
+                       **progress, **self._accumulation()}
+            tag = f"epoch_{self.epoch:04d}_step_{progress['done']:06d}"
+            path = self.ckpt.save(self.engine, tag, {**self.state(), "partial": partial},
+                                  {**self._meta(), "micro_steps_done": progress["done"]})
+        raise stopping.Preempted(f"stopped ({control.reason}) after saving checkpoint {path}; continue with "
+                                 "--resume latest")
+
+    def _accumulation(self) -> dict:
+        """The gradients accumulated since the last optimizer step (this rank's ZeRO-3 partition),
+        so that a resume between two optimizer steps loses no micro-step."""
+        opt = getattr(self.engine, "optimizer", None)
+        step_id = int(getattr(opt, "micro_step_id", 0))
+        if step_id == 0 or zero_stage(self.ds_config) != 3:
+            return {"micro_step_id": 0, "grads": None}
+        from deepspeed.utils import safe_get_local_grad
+
+        return {"micro_step_id": step_id, "grads": [safe_get_local_grad(p).detach().cpu().clone()
+                                                    for p in self.trainable]}
+
+    def _restore_accumulation(self, partial: dict) -> None:
+        if not partial.get("grads"):
+            return
+        from deepspeed.utils import safe_set_local_grad
+
+        for p, g in zip(self.trainable, partial["grads"]):
+            safe_set_local_grad(p, g.to(self.dist.device))
+        self.engine.optimizer.micro_step_id = partial["micro_step_id"]
+
     def _nonfinite(self, what: str) -> None:
         self.nonfinite_streak += 1
         limit = self.cfg.train.max_consecutive_nonfinite
@@ -437,10 +517,11 @@ class GRPOTrainer:
                 "tracker": self.tracker.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
                 "loss": self.loss.state_dict()}
 
+    def _meta(self) -> dict:
+        return {"epoch": self.epoch, "global_step": self.global_step, "run_name": self.cfg.run_name}
+
     def save(self) -> Path:
-        meta = {"epoch": self.epoch, "global_step": self.global_step,
-                "run_name": self.cfg.run_name}
-        path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), meta)
+        path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), self._meta())
         if self.dist.is_main:
             log.info("checkpoint: %s", path)
         return path
@@ -453,8 +534,10 @@ class GRPOTrainer:
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         self.loss.load_state_dict(state.get("loss", {}))
+        self._partial = state.get("partial")
         if self.dist.is_main:
-            print(f"resumed from {path} at epoch {self.epoch}", flush=True)
+            within = f", after micro-step {self._partial['done']}" if self._partial is not None else ""
+            print(f"resumed from {path} at epoch {self.epoch}{within}", flush=True)
 
     def export_lora(self, out_dir: Path) -> Path | None:
         """The (EMA when enabled) adapter in diffusers' format; collective under ZeRO-3."""
@@ -505,6 +588,8 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     if export_only:  # one process, from the checkpoint files: no model, no process group, no judge
         _export_only(cfg, export_only)
         return
+    # First: a stop (a signal, or the launcher's end) must reach a rank however far it got.
+    stopping.install(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.sigterm_grace_s)
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
     # Before anything starts or is written (paco_ds/grpo/preflight.py): the recipe and its data,

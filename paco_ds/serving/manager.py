@@ -329,13 +329,25 @@ def started_for_run(cfg: ServersConfig | None, run_dir: str | Path, local_rank: 
     error = None
     previous = None
     started = False  # stop only servers this run started: a refused start must not stop another run's
+    from paco_ds import stopping
+
+    control = stopping.current()  # a trainer's stop handling: it raises SystemExit, or forces an exit
+
+    def cleanup() -> None:
+        stop(state_dir)
+
     if owner:
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` runs when the launcher stops us
+        if control is None:
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` runs when the launcher stops us
+        else:
+            control.add_cleanup(cleanup)  # a forced exit skips `finally`: the judges are stopped first
         try:
             start(cfg, state_dir, exit_with_parent=True, sleep_mode=sleep_mode)
             started = True
         except UserError as err:
             error = str(err)
+            if control is not None:  # nothing of ours runs (start stops what it began before raising)
+                control.remove_cleanup(cleanup)
     try:
         errors = [e for e in all_gather_object(error) if e]
         if errors:
@@ -345,7 +357,10 @@ def started_for_run(cfg: ServersConfig | None, run_dir: str | Path, local_rank: 
         if owner:
             if started:
                 stop(state_dir)
-            signal.signal(signal.SIGTERM, previous)
+            if control is None:
+                signal.signal(signal.SIGTERM, previous)
+            else:
+                control.remove_cleanup(cleanup)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -1,0 +1,221 @@
+"""How a training rank stops: on a signal, or when its launcher is gone.
+
+DeepSpeed's `deepspeed` runner forwards SIGTERM/SIGINT to its ranks only for multi-node (pdsh)
+launches; on one node it simply dies, and its per-node launcher (`deepspeed.launcher.launch`)
+and the ranks under it would train on, unseen. So every rank watches its launchers itself: the
+parent, and above it the `deepspeed` runner and `launch/cluster.py` when they are there. A
+launcher that ends, however it ends (SIGTERM, SIGINT, SIGKILL), is a stop request, as is a
+SIGTERM or SIGINT to the rank.
+
+What a stop request does:
+- by default, the rank stops at once: SystemExit in the main thread, so the run's `finally`
+  blocks stop the judges it started and release the run directory. A rank stuck past
+  `HARD_STOP_S` (a collective whose peer is gone, a long kernel) stops its judges itself and
+  exits. Checkpoints are published atomically, so `latest` names the last complete one.
+- with `checkpoint.save_on_sigterm` (preemption: SIGTERM, a grace period, SIGKILL), a SIGTERM or
+  the launcher's end only raises a flag: the trainer polls it at its safe points (each micro-step,
+  each rollout batch), the ranks agree, save a checkpoint together and exit with PREEMPTED_EXIT.
+  Past `checkpoint.sigterm_grace_s` the rank stops as above, without the checkpoint. SIGINT
+  (Ctrl-C) still stops at once.
+"""
+from __future__ import annotations
+
+import _thread
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from paco_ds.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped after saving; `--resume latest` continues
+HARD_STOP_S = 20.0  # an immediate stop that has not ended by then is forced (judges first)
+POLL_S = 0.25
+
+
+class Preempted(UserError):
+    """The run stopped on request after saving a checkpoint to resume from."""
+
+    exit_code = PREEMPTED_EXIT
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int:
+    st = _stat(pid)
+    return int(st[1]) if st else 0
+
+
+def _is_runner(argv: list[str]) -> bool:
+    return any(a.endswith("/deepspeed") or a == "deepspeed" or a == "deepspeed.launcher.runner" for a in argv[:3])
+
+
+def _is_cluster(argv: list[str]) -> bool:
+    return any(a.endswith("launch/cluster.py") for a in argv[:3])
+
+
+def launcher_chain(pid: int | None = None) -> list[tuple[int, str]]:
+    """The processes whose end stops this rank, nearest first, as (pid, kernel start time): the
+    parent (deepspeed's per-node launcher, torchrun, ...), then the `deepspeed` runner above
+    deepspeed's launcher, then `launch/cluster.py` above the runner. Empty for a rank started
+    by hand (its parent is a shell that outlives it)."""
+    pid = os.getpid() if pid is None else pid
+    chain: list[int] = []
+    parent = _parent(pid)
+    if parent <= 1:
+        return []
+    argv = _cmdline(parent)
+    if "deepspeed.launcher.launch" in argv or any("torch.distributed.run" in a or a.endswith("/torchrun")
+                                                 for a in argv[:3]):
+        chain.append(parent)
+        if "deepspeed.launcher.launch" in argv:
+            runner = _parent(parent)
+            if runner > 1 and _is_runner(_cmdline(runner)):
+                chain.append(runner)
+                above = _parent(runner)
+                if above > 1 and _is_cluster(_cmdline(above)):
+                    chain.append(above)
+    return [(p, st[19]) for p in chain if (st := _stat(p)) is not None]
+
+
+def _alive(pid: int, start_time: str) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z" and st[19] == start_time
+
+
+class StopControl:
+    """This rank's stop handling; one per process (`install`)."""
+
+    def __init__(self, save_first: bool = False, grace_s: float = 25.0, hard_stop_s: float = HARD_STOP_S):
+        self.save_first, self.grace_s, self.hard_stop_s = save_first, grace_s, hard_stop_s
+        self.reason: str | None = None
+        self.preempt = False  # a request the trainer should answer with a checkpoint
+        self._since: float | None = None
+        self._deadline: float | None = None
+        self._exit_code = 143
+        self._cleanups: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+        self._watched: list[tuple[int, str]] = []
+        self._previous: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+
+    # -------------------------------------------------------------------------------- set-up
+    def install(self) -> "StopControl":
+        self._watched = launcher_chain()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._thread = threading.Thread(target=self._watch, name="paco-stop-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def uninstall(self) -> None:
+        self._done.set()
+        for sig, handler in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+
+    def add_cleanup(self, fn: Callable[[], object]) -> None:
+        """Run `fn` (e.g. stop this rank's judges) before a forced exit."""
+        self._cleanups.append(fn)
+
+    def remove_cleanup(self, fn: Callable[[], object]) -> None:
+        with contextlib.suppress(ValueError):
+            self._cleanups.remove(fn)
+
+    # -------------------------------------------------------------------------------- requests
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def _request(self, reason: str, preempt: bool, exit_code: int) -> bool:
+        """Record the first request; True when this call made it."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason, self.preempt, self._exit_code = reason, preempt, exit_code
+            self._since = time.monotonic()
+            self._deadline = self._since + (self.grace_s if preempt else self.hard_stop_s)
+        what = (f"saving a checkpoint first (grace {self.grace_s:g}s, checkpoint.sigterm_grace_s)" if preempt
+                else "stopping now")
+        print(f"[rank {os.environ.get('RANK', '0')}] stop requested: {reason}; {what}", file=sys.stderr, flush=True)
+        return True
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        preempt = self.save_first and signum == signal.SIGTERM
+        first = self._request(name, preempt, 128 + signum)
+        if preempt:
+            return  # the trainer saves at its next safe point
+        if first or not self.preempt:
+            raise SystemExit(128 + signum)
+        # a SIGINT during a preemption save: stop now
+        self._deadline = time.monotonic()
+
+    def _launcher_gone(self, pid: int) -> None:
+        if self._request(f"the launcher (pid {pid}) ended", self.save_first, 143) and not self.save_first:
+            _thread.interrupt_main(signal.SIGTERM)  # SystemExit in the main thread, as a SIGTERM would
+
+    # -------------------------------------------------------------------------------- watcher
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_S):
+            if self.reason is None:
+                for pid, start in self._watched:
+                    if not _alive(pid, start):
+                        self._launcher_gone(pid)
+                        break
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                self._force_exit()
+
+    def _force_exit(self) -> None:
+        """The stop did not finish in time (a rank blocked in a collective or a kernel): stop the
+        judges this rank started and exit without running anything else."""
+        print(f"[rank {os.environ.get('RANK', '0')}] stop: not finished "
+              f"{time.monotonic() - (self._since or 0):.0f}s after the request ({self.reason}); exiting now",
+              file=sys.stderr, flush=True)
+        for fn in list(self._cleanups):
+            with contextlib.suppress(Exception):
+                fn()
+        sys.stderr.flush()
+        os._exit(self._exit_code)
+
+
+_current: StopControl | None = None
+
+
+def install(save_first: bool = False, grace_s: float = 25.0) -> StopControl:
+    global _current
+    if _current is not None:
+        _current.uninstall()
+    _current = StopControl(save_first, grace_s).install()
+    return _current
+
+
+def current() -> StopControl | None:
+    return _current
+
+
+def uninstall() -> None:
+    global _current
+    if _current is not None:
+        _current.uninstall()
+        _current = None

@@ -1,0 +1,27 @@
+"""metrics.jsonl on resume: a torn last line (a kill mid-write) is dropped with a warning."""
+import json
+import logging
+
+import pytest
+
+from paco_ds.errors import DataError
+from paco_ds.metrics import MetricsLogger
+
+
+def _logger(tmp_path):
+    return MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning(tmp_path, caplog):
+    rows = [{"epoch": 0, "loss": 1.0}, {"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 3, "lo')
+    with caplog.at_level(logging.WARNING):
+        _logger(tmp_path).truncate_after(2)
+    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows[:2]
+    assert "torn last line" in caplog.text and "metrics.jsonl:4" in caplog.text
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n{"epo\n{"epoch": 1}\n')
+    with pytest.raises(DataError, match=r"metrics.jsonl:2: not a JSON object"):
+        _logger(tmp_path).truncate_after(1)

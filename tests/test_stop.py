@@ -1,0 +1,144 @@
+"""A stop stops everything; a preemption saves first. Real processes: the deepspeed launcher,
+2 ZeRO-3 CPU ranks, and (for the stop) the judge server the run starts.
+
+DeepSpeed's runner forwards signals only for multi-node launches, so a SIGTERM to the `deepspeed`
+process alone (what `kill`, a scheduler or a supervisor does) used to leave both ranks and the
+judge training on. Each test signals only the named process, never a process group.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from distributed_runs import REPO, cpu_env, launch_cmd, metrics, run_trainer, stable, tail
+from paco_ds.checkpoint import verify
+
+NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
+SHORT = ("sample.group_size=4", "test.eval_freq=0", "logging.num_train_images=0", "checkpoint.keep_last=3")
+# The tiny judge's vocabulary bounds the log-probs it can return.
+JUDGE = ("reward_servers.max_logprobs=256", "rewards.train.terms.consistency_score.top_logprobs=256")
+STOP_BOUND_S = 30  # the promise: every rank and judge gone within 30 s of the stop
+
+
+def _start(run_dir, *sets):
+    return subprocess.Popen(launch_cmd("launch/train.py", run_dir, *sets), cwd=REPO, env=cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(cond, launcher, what, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert launcher.poll() is None, f"the run ended before {what}: {launcher.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s"
+        time.sleep(0.3)
+
+
+def _latest(run_dir):
+    p = run_dir / "checkpoints" / "latest"
+    return p.read_text().strip() if p.is_file() else ""
+
+
+def _descendants(pid):
+    return [p for p in psutil.Process(pid).children(recursive=True)]
+
+
+def _judge_pids(run_dir):
+    states = list((run_dir / "reward_servers").glob("*/servers.json"))
+    return [s["pid"] for f in states for s in json.loads(f.read_text())["servers"]]
+
+
+def _running(p):
+    try:  # an orphan that exited may stay a zombie where nothing reaps it: it runs nothing
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _gone_within(procs, seconds):
+    """(all gone?, the ones still running after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not alive, alive
+
+
+def _cleanup(launcher, procs):
+    for p in procs:
+        with_suppress(p.kill)
+    if launcher.poll() is None:
+        with_suppress(lambda: os.killpg(launcher.pid, signal.SIGKILL))
+    launcher.communicate(timeout=30)
+
+
+def with_suppress(fn):
+    try:
+        fn()
+    except (ProcessLookupError, psutil.Error, PermissionError):
+        pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_to_the_launcher_alone_stops_every_rank_and_judge(tmp_path, sig):
+    """SIGTERM to the `deepspeed` pid (the runner has no handler on one node), and the launcher's
+    death by SIGKILL: both ranks and the judge are gone within 30 s, the launcher's status is
+    non-zero, and `latest` names a complete checkpoint that no later write touched."""
+    run_dir = tmp_path / "run"
+    launcher = _start(run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *JUDGE)
+    procs = []
+    try:
+        _wait_for(lambda: _latest(run_dir) >= "epoch_0001", launcher, "checkpoint epoch_0001")
+        procs = _descendants(launcher.pid) + [psutil.Process(p) for p in _judge_pids(run_dir)]
+        ranks = [p for p in procs if any(a.startswith("--local_rank=") for a in p.cmdline())]
+        judges = [p for p in procs if "paco_ds.serving.hf_engine" in p.cmdline()]
+        assert len(ranks) == 2 and judges, [p.cmdline()[:4] for p in procs]
+        os.kill(launcher.pid, sig)  # the launcher alone: no process group
+        assert launcher.wait(timeout=STOP_BOUND_S) != 0
+        gone, alive = _gone_within(procs, STOP_BOUND_S)
+        assert gone, f"still running {STOP_BOUND_S}s after the stop: {[p.cmdline()[:4] for p in alive]}"
+    finally:
+        _cleanup(launcher, procs)
+    latest = run_dir / "checkpoints" / _latest(run_dir)
+    verify(latest)  # every file as recorded when it was published
+    epochs_logged = len(metrics(run_dir))
+    time.sleep(2)
+    assert len(metrics(run_dir)) == epochs_logged  # nothing writes into the stopped run any more
+
+
+def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
+    """checkpoint.save_on_sigterm: a SIGTERM to every rank (as a scheduler sends it) mid-epoch:
+    the ranks finish the micro-step, save together and exit 75; --resume latest then ends with
+    the metrics of the run that was never interrupted, every epoch, exactly."""
+    sets = ("train.num_epochs=3", "checkpoint.save_freq=2", "checkpoint.save_on_sigterm=true", *SHORT, *NO_JUDGE)
+    reference = run_trainer(tmp_path / "reference", *sets)
+    assert reference.returncode == 0, tail(reference)
+
+    run_dir = tmp_path / "preempted"
+    launcher = _start(run_dir, *sets)
+    procs = []
+    try:
+        # Mid-epoch 1: epoch 0's metrics are written, epoch 1 has begun training or sampling.
+        _wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 1, launcher,
+                  "epoch 0's metrics")
+        procs = _descendants(launcher.pid)
+        ranks = [p for p in procs if any(a.startswith("--local_rank=") for a in p.cmdline())]
+        assert len(ranks) == 2
+        for r in ranks:
+            r.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == 75, err[-3000:]
+    finally:
+        _cleanup(launcher, procs)
+    assert "stop requested: SIGTERM; saving a checkpoint first" in err
+    saved = _latest(run_dir)
+    assert saved.startswith("epoch_0001"), saved  # this epoch's state, not the one before
+    verify(run_dir / "checkpoints" / saved)
+    assert len(metrics(run_dir)) == 1  # epoch 1 is not logged: it is finished after the resume
+
+    resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
+    assert resumed.returncode == 0, tail(resumed)
+    assert f"resumed from {run_dir / 'checkpoints' / saved}" in resumed.stdout
+    assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))
