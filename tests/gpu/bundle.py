@@ -161,7 +161,8 @@ def image_packages() -> dict[str, Version | None]:
 def unmet(bundle: dict[str, Version], installed: dict[str, Version | None], folder: Path,
           names: list[str]) -> list[str]:
     """Requirements of the wheels `names` that neither the bundle nor `installed` satisfies.
-    An installed package of unknown version (None) counts as satisfying."""
+    An installed package of unknown version (None) satisfies only a requirement without a version
+    range: whether the image's timm meets `timm>=1.0.17` cannot be known here, so it is unmet."""
     bad = []
     for name in names:
         for req in requirements(wheels(folder)[name][1]):
@@ -171,7 +172,11 @@ def unmet(bundle: dict[str, Version], installed: dict[str, Version | None], fold
             version = bundle.get(dep, installed.get(dep, "absent"))
             if version == "absent":
                 bad.append(f"{name} needs {req}: not in the bundle nor installed")
-            elif version is not None and not req.specifier.contains(version, prereleases=True):
+            elif version is None:
+                if req.specifier:
+                    bad.append(f"{name} needs {req}: {dep}'s version on the GPU image is unknown (record it in "
+                               f"{IMAGE.name} or bundle {dep})")
+            elif not req.specifier.contains(version, prereleases=True):
                 bad.append(f"{name} needs {req}: {dep} is {version}")
     return bad
 

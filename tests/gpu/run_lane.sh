@@ -12,8 +12,9 @@
 # and the exit status is non-zero if any failed. Without a CUDA GPU it runs nothing and exits 2.
 #
 # Environment: GPU_PYTHON (default python3: the interpreter that holds torch), LANE_STAGES (default
-# all, in the order above), LANE_BUDGET_S (seconds for the whole lane; 0 = no limit; each stage gets
-# at most what is left), LANE_BENCH_ARGS (default --no-compile; "" for the torch.compile column too),
+# all, in the order above; each stage runs alone too, e.g. LANE_STAGES=grpo), LANE_BUDGET_S (seconds
+# for the whole lane, default 540: one 10-minute device call with room to copy results back; 0 = no
+# limit; each stage gets at most what is left), LANE_BENCH_ARGS (default --no-compile; "" for the torch.compile column too),
 # LANE_SITE (overlay folder, default /tmp/paco_ds_gpu_site), LANE_PORT (default 29531).
 # When OUT is set (the workplace's device runner), the summary, junit xml, bench json, metrics and a
 # tarball of the logs are copied there after every stage.
@@ -24,7 +25,7 @@ PY=${GPU_PYTHON:-python3}
 RES=$REPO/tests/gpu/results
 SITE=${LANE_SITE:-/tmp/paco_ds_gpu_site}
 STAGES=${LANE_STAGES:-deps pytest bench grpo reference}
-BUDGET=${LANE_BUDGET_S:-0}
+BUDGET=${LANE_BUDGET_S:-540}
 BENCH_ARGS=${LANE_BENCH_ARGS---no-compile}
 START=$(date +%s)
 
@@ -34,7 +35,10 @@ export PYTHONWARNINGS=ignore::FutureWarning
 unset TRITON_INTERPRET
 export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-rm -rf "$RES" && mkdir -p "$RES"
+# Earlier stages' results stay (a stage run alone must not erase the others'): only the logs of the
+# stages run now are started afresh.
+mkdir -p "$RES"
+for s in $STAGES; do rm -f "$RES/$s.log"; done
 declare -A STATUS SECONDS_TAKEN NOTE
 
 summary() {  # results/summary.json, and the files that come back through $OUT
