@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
                                           unset_fake_temporarily)
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import flop_registry
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -62,6 +63,9 @@ class FakeCuda(TorchDispatchMode):
         self._seen: dict[int, str] = {}  # id of a tracked storage -> its tag (until it is freed)
         self.ignored = 0  # data-dependent reads answered with NaN
         self.device = CUDA  # where new fake device tensors of data-dependent ops go
+        # Model FLOPs (torch.utils.flop_counter's formulas) of every device op. Not FlopCounterMode:
+        # its module tracking keeps activations alive, which undoes gradient checkpointing.
+        self.flops = 0.0
 
     # ------------------------------------------------------------------ tags and phases
     @contextlib.contextmanager
@@ -155,6 +159,9 @@ class FakeCuda(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
             out = self._data_dependent(func, flat, spec)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         shadow = self._shadow_of(func, flat, spec, out)
         outs = tree_flatten(out)[0]
         for t in outs:

@@ -76,17 +76,16 @@ class GpuPlan:
 class _Counter:
     """FLOPs per labelled call (torch.utils.flop_counter), summed over calls."""
 
-    def __init__(self):
+    def __init__(self, mode):
+        self.mode = mode
         self.flops: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
     def wrap(self, label: str, fn):
-        from torch.utils.flop_counter import FlopCounterMode
-
         def run(*args, **kwargs):
-            with FlopCounterMode(display=False) as fc:
-                out = fn(*args, **kwargs)
-            self.flops[label] = self.flops.get(label, 0.0) + fc.get_total_flops()
+            before = self.mode.flops
+            out = fn(*args, **kwargs)
+            self.flops[label] = self.flops.get(label, 0.0) + self.mode.flops - before
             self.calls[label] = self.calls.get(label, 0) + 1
             return out
         return run
@@ -198,7 +197,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
         if hasattr(trainer.loss, "log_prob"):
             trainer.loss.log_prob.keywords["sde_fn"] = trainer.sde
 
-    counter = _Counter()
+    counter = _Counter(mode)
     for name in ("encode_prompts", "encode_condition", "velocity", "decode"):
         setattr(policy, name, counter.wrap(name, getattr(policy, name)))
 
