@@ -253,3 +253,14 @@ def test_zero3_partitioned_load_equals_the_plain_one_on_two_ranks(tmp_path):
         assert abs(rep["local"] / rep["full"] - 0.5) < 0.01  # half of every tensor per rank
         assert rep["forward_equal"] and rep["forward_abs_mean"] > 0
     assert reports[0]["forward_abs_mean"] == reports[1]["forward_abs_mean"]
+
+
+def test_tiny_tokenizers_are_the_policys_own(policy):
+    """A reward scored in another thread (the tiny PickScore) calls the cached CLIP tokenizer with its
+    own padding; sharing it, a prompt could come back padded to another length mid-rollout."""
+    from paco_ds.models.tiny import clip_tokenizer, t5_tokenizer
+
+    toks = [policy.tokenizer, policy.tokenizer_2, policy.tokenizer_3]
+    assert len({id(t) for t in toks}) == 3 and not {id(clip_tokenizer()), id(t5_tokenizer())} & {id(t) for t in toks}
+    clip_tokenizer()(["x"], padding="longest")  # another caller's settings do not reach the policy's
+    assert policy.encode_prompts(["a b"]).prompt_embeds.shape[1] == 77 + policy.max_sequence_length

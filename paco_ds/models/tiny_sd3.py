@@ -9,6 +9,7 @@ parts use (a random AutoencoderKL's images hardly depend on the latents; see tin
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def tiny_sd3_components(spec: TinyModelConfig | None = None, seed: int = 0) -> d
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     spec = spec or TinyModelConfig()
-    tok, tok3 = clip_tokenizer(), t5_tokenizer()
+    # Copies, one per encoder as SD3.5 ships them: a fast tokenizer sets its padding and truncation
+    # on the shared Rust object at every call, so one shared with a reward scored in another thread
+    # (the tiny PickScore uses the same cached CLIP tokenizer) can pad a prompt to another length.
+    tok, tok2, tok3 = copy.deepcopy(clip_tokenizer()), copy.deepcopy(clip_tokenizer()), copy.deepcopy(t5_tokenizer())
     d = spec.text_dim
     width_l, width_g, width_t5 = d // 2, d, 2 * d  # CLIP-L < CLIP-G, T5 wider than both together
 
@@ -60,7 +64,7 @@ def tiny_sd3_components(spec: TinyModelConfig | None = None, seed: int = 0) -> d
             vocab_size=len(tok3), d_model=width_t5, d_kv=width_t5 // 2, d_ff=2 * width_t5, num_layers=1, num_heads=2,
             pad_token_id=tok3.pad_token_id, eos_token_id=tok3.eos_token_id, decoder_start_token_id=0))
     return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
-            "text_encoder_3": text_encoder_3, "tokenizer": tok, "tokenizer_2": tok, "tokenizer_3": tok3,
+            "text_encoder_3": text_encoder_3, "tokenizer": tok, "tokenizer_2": tok2, "tokenizer_3": tok3,
             "scheduler_config": dict(SD3_SCHEDULER_CONFIG)}
 
 
