@@ -89,3 +89,13 @@ def test_gpu_memory_needs_dry_run():
 def test_gpu_memory_refuses_the_tiny_model():
     proc = run_cli("launch/train.py", "--config", str(TINY), "--dry-run", "--world-size", "2", "--gpu-memory", "80")
     assert "model.tiny" in one_line_error(proc)
+
+
+def test_gpu_memory_names_a_family_it_cannot_plan(tmp_path):
+    """An SD3.5 recipe has no full-size description in the plan yet: one line naming the key, not a traceback."""
+    prompts = tmp_path / "train.txt"
+    prompts.write_text("".join(f'a sign that says "word {i}"\n' for i in range(48)))  # one epoch's 48 prompts
+    proc = run_cli("launch/train.py", "--config", "configs/sd3_pickscore.yaml", "--dry-run", "--world-size", "32",
+                   "--gpu-memory", "80", "--set", f"data.train_file={prompts}", "--set", f"data.test_file={prompts}")
+    line = one_line_error(proc)
+    assert "config key 'model.family'" in line and "'sd3'" in line

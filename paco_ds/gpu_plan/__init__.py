@@ -10,6 +10,10 @@ from __future__ import annotations
 from paco_ds.errors import ConfigError
 
 
+# The families whose full-size parts paco_ds/gpu_plan/models.py describes.
+PLANNED_FAMILIES = ("flux", "flux_kontext", "qwen_image_edit")
+
+
 def print_plan(cfg, world_size: int, gpu_gib: float, log=print):
     """The plan for `cfg` on `world_size` ranks of `gpu_gib` GiB, printed; returns it."""
     from paco_ds.gpu_plan.plan import describe, gpu_plan
@@ -19,6 +23,9 @@ def print_plan(cfg, world_size: int, gpu_gib: float, log=print):
     if cfg.model.tiny:
         raise ConfigError("model.tiny: true builds the tiny offline model; --gpu-memory plans the full-size one "
                           "(use a recipe with model.tiny: false)")
+    if cfg.model.family not in PLANNED_FAMILIES:
+        raise ConfigError(f"config key 'model.family': --gpu-memory plans {', '.join(PLANNED_FAMILIES)}; "
+                          f"'{cfg.model.family}' has no full-size model description in paco_ds/gpu_plan/models.py yet")
     plan = gpu_plan(cfg, world_size, gpu_gib)  # a device mix on the path raises DevicePathError: a code defect
     log(describe(plan))
     return plan
