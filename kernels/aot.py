@@ -6,7 +6,7 @@ nothing of registers or spills. Here each kernel goes through Triton's own compi
 produce, and the ptxas bundled in the triton wheel reports its resources.
 
 The configurations come from kernels/geometry.py (the numbers the launchers use) crossed with the
-dtypes and constexpr switches each launch site passes; tests/kernels/test_aot.py checks, by
+dtypes and constexpr switches each launch site passes; tests/kernels/test_aot_compile.py checks, by
 recording real launches, that every configuration a launcher makes is in this list.
 
 This module needs triton only (no torch): the kernel sources are loaded from their files, so it
