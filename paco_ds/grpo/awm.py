@@ -29,7 +29,7 @@ import torch
 
 import kernels
 from paco_ds.config import AWMConfig, Config
-from paco_ds.grpo.losses import LOSSES, Loss, OldPolicy, RolloutNeeds
+from paco_ds.grpo.losses import Loss, OldPolicy, RolloutNeeds
 from paco_ds.models.base import Policy
 from paco_ds.sampling.rollout import make_generator
 
@@ -221,5 +221,3 @@ class AWM(Loss):
         for s, x in zip(self.anchor.shadow, state["anchor"]):
             s.copy_(x)
 
-
-LOSSES[AWM.name] = AWM

@@ -23,6 +23,7 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -294,9 +295,19 @@ class NFT(Loss):
             s.copy_(v)
 
 
-LOSSES: dict[str, type[Loss]] = {PPOClip.name: PPOClip, NFT.name: NFT}
-import paco_ds.grpo.awm  # noqa: E402,F401  AWM (its own file, built on the classes above) adds itself to LOSSES
+# train.loss -> "module:Class", imported when the loss is built: AWM lives in its own file, built on the
+# classes above, so this table names it instead of importing it (that would be an import cycle).
+LOSSES: dict[str, str] = {
+    PPOClip.name: "paco_ds.grpo.losses:PPOClip",
+    NFT.name: "paco_ds.grpo.losses:NFT",
+    "awm": "paco_ds.grpo.awm:AWM",
+}
+
+
+def loss_class(name: str) -> type[Loss]:
+    module, attr = LOSSES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def build_loss(cfg: Config, policy: Policy) -> Loss:
-    return LOSSES[cfg.train.loss](cfg, policy)
+    return loss_class(cfg.train.loss)(cfg, policy)
