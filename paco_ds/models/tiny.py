@@ -7,6 +7,7 @@ a fixed seed, so every process and every run builds the same model.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gzip
 from pathlib import Path
@@ -48,9 +49,17 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for c in cs]
 
 
-@functools.lru_cache(maxsize=1)
 def clip_tokenizer():
-    """The real CLIP BPE tokenizer (49408 tokens), rebuilt from open_clip's bundled merges."""
+    """The real CLIP BPE tokenizer (49408 tokens), rebuilt from open_clip's bundled merges.
+
+    Each call returns its own copy: a tokenizer keeps padding and truncation state, so the policy's
+    text encoder and a tiny CLIP reward scoring in another thread must not share one (a prompt could
+    be padded to the other's length mid-rollout)."""
+    return copy.deepcopy(_clip_tokenizer_built())
+
+
+@functools.lru_cache(maxsize=1)
+def _clip_tokenizer_built():
     import open_clip
     from transformers import CLIPTokenizer
 
@@ -63,13 +72,18 @@ def clip_tokenizer():
                          model_max_length=77)
 
 
-@functools.lru_cache(maxsize=1)
 def t5_tokenizer():
     """A small T5-style Unigram tokenizer (359 pieces, trained once on the shipped prompts).
 
     The vocabulary is a file, not trained at start-up: Unigram training is not reproducible across
-    processes, and every rank (and every run) must map a prompt to the same ids.
+    processes, and every rank (and every run) must map a prompt to the same ids. Each call returns
+    its own copy, as clip_tokenizer does.
     """
+    return copy.deepcopy(_t5_tokenizer_built())
+
+
+@functools.lru_cache(maxsize=1)
+def _t5_tokenizer_built():
     import json
 
     from transformers import T5TokenizerFast
