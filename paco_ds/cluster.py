@@ -209,7 +209,8 @@ def judge_command(judge: Judge, servers, bind: str, python: str = sys.executable
     env.update({k: os.environ[k] for k in (*FORWARDED, servers.api_key_env) if k in os.environ})
     env["PYTHONPATH"] = str(REPO_ROOT)
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    # `exec` keeps the pid the shell printed; the token travels in the environment, never in argv.
+    # `exec` keeps the pid the shell printed. The token reaches the judge in its environment, not its
+    # argv; like DeepSpeed's own pdsh launch of the ranks, the ssh command line on this host carries it.
     return f"cd {shlex.quote(str(REPO_ROOT))} && echo PACO_JUDGE_PID $$ && exec env {exports} {shlex.join(argv)}"
 
 
@@ -392,6 +393,7 @@ class Cluster:
         import threading
 
         env_file = self.dir / "deepspeed_env"
+        env_file.touch(mode=0o600)  # it may carry the judges' token
         env_file.write_text("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
         launch_env = {**os.environ, **env, "DS_ENV_FILE": str(env_file), "PDSH_RCMD_TYPE": "ssh"}
         self.log(f"[cluster] {shlex.join(argv)}")
@@ -500,7 +502,19 @@ def describe_plan(p: Placement, hostfile: Path, servers, cluster: ClusterConfig,
     lines.append(f"[launcher] {shlex.join(argv)}")
     lines += [f"[{h}] (by deepspeed over pdsh) rank(s) on slots {','.join(map(str, s))}"
               for h, s in p.trainer_slots.items() if s]
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    token = os.environ.get(servers.api_key_env) if servers is not None else None
+    return text.replace(token, "<token>") if token else text  # a plan is printed and pasted; a token is not
+
+
+def ensure_token(api_key_env: str, environ=os.environ) -> None:
+    """Judges listen on the hosts' own addresses, where a server without a token refuses /sleep,
+    /wake_up and LoRA swaps from anyone but loopback: with no token given, the run makes its own,
+    which reaches the judges and the ranks in their environment."""
+    if not environ.get(api_key_env):
+        import secrets
+
+        environ[api_key_env] = secrets.token_urlsafe(24)
 
 
 def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False, resume: str | None = None,
@@ -516,6 +530,8 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
     p = place(hosts, cluster, hostfile)
     plan = check_recipe(cfg, p.world_size)  # m rounded for the world size; errors name the keys
     bind = {h: resolve(h, strict=not dry_run) for h in hosts}
+    if p.judges and not dry_run:
+        ensure_token(cfg.reward_servers.api_key_env)
     env = rank_environment(cfg.reward_servers, p.judges, bind)
     argv = deepspeed_argv(p, Path(hostfile).resolve(), train_arguments(config, overrides, resume), master_port,
                           cluster.ssh_port, bind)

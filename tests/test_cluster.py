@@ -79,8 +79,9 @@ def test_routing_prefers_this_host_then_any_healthy():
     assert choose(["http://192.0.2.1:1/v1", "http://127.0.0.1:9/v1"], "m") == ("http://127.0.0.1:9/v1", None)
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, str(REPO / "launch" / "cluster.py"), *args], cwd=REPO, env=cpu_env(),
+def _cli(*args, extra_env=None):
+    return subprocess.run([sys.executable, str(REPO / "launch" / "cluster.py"), *args], cwd=REPO,
+                          env={**cpu_env(), **(extra_env or {})},
                           capture_output=True, text=True, timeout=120)
 
 
@@ -114,3 +115,26 @@ def test_dry_run_bad_hostfile_is_one_line(tmp_path):
     r = _cli("--hostfile", str(hostfile(tmp_path, "a slots=1\n")), "--config", str(TINY), "--dry-run",
              "--set", "cluster.judges=[{host: b}]")
     assert r.returncode == 2 and "cluster.judges[0].host: 'b' is not in" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_run_without_a_token_makes_its_own_and_the_plan_hides_it(tmp_path):
+    """Judges listen on the hosts' addresses, where /sleep and /wake_up need a token: a colocated
+    run must not depend on the user exporting one, and a dry run must not print it."""
+    from paco_ds.cluster import ensure_token
+
+    env: dict[str, str] = {}
+    ensure_token("PACO_REWARD_API_KEY", env)
+    made = env["PACO_REWARD_API_KEY"]
+    assert len(made) >= 32
+    ensure_token("PACO_REWARD_API_KEY", env)
+    assert env["PACO_REWARD_API_KEY"] == made  # a given token is kept
+    other: dict[str, str] = {}
+    ensure_token("PACO_REWARD_API_KEY", other)
+    assert other["PACO_REWARD_API_KEY"] != made  # one per run
+
+    hf = hostfile(tmp_path, "node-0 slots=2\nnode-1 slots=2\n")
+    r = _cli("--hostfile", str(hf), "--config", str(TINY), "--dry-run", "--set", "cluster.colocate=true",
+             extra_env={"PACO_REWARD_API_KEY": "s3cret-given-token"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PACO_REWARD_API_KEY=<token>" in r.stdout and "s3cret-given-token" not in r.stdout
+    assert r.stdout.count("PACO_REWARD_API_KEY=<token>") == 3  # two judges' lines and the ranks' env file
