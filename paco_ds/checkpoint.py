@@ -15,6 +15,7 @@ file; `--resume latest` skips a corrupt checkpoint with a warning and takes the 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -121,16 +122,20 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         barrier()
-        if engine is not None:
-            engine.save_checkpoint(str(self.root), tag=staging.name, exclude_frozen_parameters=True, save_latest=False)
-        torch.save({**state, "rng": rng if rng is not None else rng_state()}, staging / f"trainer_state_rank{self.rank}.pt")
+        with self._writing(staging):
+            if engine is not None:
+                engine.save_checkpoint(str(self.root), tag=staging.name, exclude_frozen_parameters=True,
+                                       save_latest=False)
+            torch.save({**state, "rng": rng if rng is not None else rng_state()},
+                       staging / f"trainer_state_rank{self.rank}.pt")
         barrier()
         final = self.root / tag
         if self.is_main:
-            if write_extra is not None:
-                write_extra(staging)
-            meta["files"] = manifest(staging)  # every rank's files are written (barrier above)
-            (staging / META).write_text(json.dumps(meta, indent=2))
+            with self._writing(staging):
+                if write_extra is not None:
+                    write_extra(staging)
+                meta["files"] = manifest(staging)  # every rank's files are written (barrier above)
+                (staging / META).write_text(json.dumps(meta, indent=2))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(staging, final)
@@ -141,6 +146,24 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()
         return final
+
+    @contextlib.contextmanager
+    def _writing(self, staging: Path):
+        """A full disk or a deleted run directory while saving: the partial checkpoint is removed
+        (its space is what the disk lacks), and the error is one line naming the path and the
+        checkpoint `latest` still names, untouched."""
+        from paco_ds.storage import StorageError, storage_failure
+
+        try:
+            yield
+        except (OSError, RuntimeError) as err:
+            failure = storage_failure(err, staging, self.root.parent)
+            if failure is None:
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            done = self.complete()
+            kept = f"; the last complete checkpoint, {done[-1]}, is intact" if done else ""
+            raise StorageError(f"saving checkpoint {staging.name.removeprefix('.staging-')}: {failure}{kept}") from err
 
     def resolve(self, spec: str, flag: str = "--resume") -> Path:
         """'latest' or a checkpoint directory -> the verified directory; a clear error when there is

@@ -13,6 +13,7 @@ from pathlib import Path
 from PIL import Image
 
 from paco_ds.errors import DataError
+from paco_ds.storage import writing
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class MetricsLogger:
             return
         clean = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
-        with self.path.open("a") as fh:
+        with writing(self.path, self.run_dir), self.path.open("a") as fh:
             fh.write(json.dumps(clean) + "\n")
         scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb is not None:
@@ -79,7 +80,8 @@ class MetricsLogger:
         if not self.enabled:
             return None
         path = self.run_dir / "images" / f"{name}_epoch{epoch:04d}.png"
-        image.save(path)
+        with writing(path, self.run_dir):
+            image.save(path)
         if self.tb is not None:
             import numpy as np
 

@@ -7,9 +7,12 @@ judge training on. Each test signals only the named process, never a process gro
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -142,3 +145,61 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, tail(resumed)
     assert f"resumed from {run_dir / 'checkpoints' / saved}" in resumed.stdout
     assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))
+
+
+# A run that cannot write any more stops with one line naming the path (paco_ds/storage.py).
+VERIFY_LATEST = ("import json, sys; from pathlib import Path; from paco_ds.checkpoint import verify; "
+                 "root = Path(sys.argv[1]) / 'checkpoints'; tag = (root / 'latest').read_text().strip(); "
+                 "verify(root / tag); print('VERIFIED', tag)")
+
+
+def _no_traceback(err: str) -> None:
+    assert "Traceback" not in err, err[-4000:]
+
+
+def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """The run directory on a 64 MiB tmpfs of its own (a private mount namespace); once a
+    checkpoint is published, the test fills the disk: the run ends naming the file it could not
+    write, and `latest` still names a checkpoint whose every file verifies."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "run"
+    train = launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE)
+    script = ('mount -t tmpfs -o size=64m tmpfs "$1" || exit 99; disk=$1; shift; "$@"; rc=$?; '
+              f'{sys.executable} -c "{VERIFY_LATEST}" "$disk/run"; exit $rc')
+    shell = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", str(disk), *train], cwd=REPO,
+                             env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    view = Path(f"/proc/{shell.pid}/root{run_dir}")  # the run directory as seen inside its namespace
+    try:
+        _wait_for(lambda: _latest(view) >= "epoch_0001", shell, "checkpoint epoch_0001")
+        with open(view.parent / "filler", "wb") as fh:  # fill the run's disk to the last byte
+            try:
+                while True:
+                    fh.write(b"\0" * (1 << 20))
+                    fh.flush()
+            except OSError:
+                pass
+        out, err = shell.communicate(timeout=240)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.communicate(timeout=30)
+    assert shell.returncode == 74, err[-4000:]
+    assert "train: error: " in err and "no space left on device writing " + str(run_dir) in err, err[-4000:]
+    _no_traceback(err)
+    assert "VERIFIED epoch_" in out, (out[-2000:], err[-2000:])
+
+
+def test_a_run_directory_deleted_mid_run_is_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = _start(run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE)
+    try:
+        _wait_for(lambda: _latest(run_dir) >= "epoch_0001", launcher, "checkpoint epoch_0001")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _, err = launcher.communicate(timeout=240)
+    finally:
+        _cleanup(launcher, [])
+    assert launcher.returncode == 74, err[-4000:]
+    assert f"train: error: the run directory {run_dir} was deleted while the run was writing to it" in err, err[-4000:]
+    _no_traceback(err)

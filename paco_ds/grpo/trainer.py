@@ -51,6 +51,7 @@ from paco_ds.sampling.grid import make_grid, to_pil
 from paco_ds.sampling.rollout import Trajectory, gather_samples, make_generator, sample_trajectories
 from paco_ds.sampling.window import rollout_steps, window_start
 from paco_ds.serving.manager import endpoints_for_run, started_for_run
+from paco_ds.storage import writing
 
 log = logging.getLogger(__name__)
 
@@ -604,8 +605,9 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     # The recipe's reward servers: started by local rank 0 of each node, awaited by every rank
     # before the rewards are built, stopped when the run ends.
     colocate = cfg.cluster is not None and cfg.cluster.colocate  # the judges must be able to sleep
-    with owned_run_dir(cfg.run_dir, dist.is_main), started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank,
-                                                                   sleep_mode=colocate):
+    # A full disk or a deleted run directory, wherever the write was: one line naming the path.
+    with writing(cfg.run_dir, cfg.run_dir), owned_run_dir(cfg.run_dir, dist.is_main), \
+            started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate):
         trainer = GRPOTrainer(cfg, dist)
         try:
             trainer.fit(resume)

@@ -1,0 +1,106 @@
+"""A full disk or a deleted run directory is one line naming the path, and what was saved stays.
+
+The errors are real: /dev/full answers every write with ENOSPC, and a 256 KiB tmpfs mounted in a
+private mount namespace (`unshare -m`) is a disk that fills up. The real-process runs (2 ZeRO-3
+ranks writing into a full disk, a run directory deleted mid-run) are in tests/test_stop.py.
+"""
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO
+from paco_ds.storage import StorageError, storage_failure, writing
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the error under test
+        return err
+    raise AssertionError("no error")
+
+
+def test_a_write_to_a_full_device_names_the_file(tmp_path):
+    """write() errors carry no file name: the path the caller was writing is the one named."""
+    err = _raised(lambda: open("/dev/full", "w").write("x" * 100_000))  # a real ENOSPC from the kernel
+    failure = storage_failure(err, tmp_path / "metrics.jsonl", tmp_path)
+    assert isinstance(failure, StorageError) and failure.exit_code == 74
+    assert f"no space left on device writing {tmp_path / 'metrics.jsonl'} (No space left" in str(failure)
+
+
+def test_torch_writer_failure_is_a_storage_error(tmp_path):
+    """torch.save's C++ writer loses the errno: its message is what is left to recognise."""
+    err = _raised(lambda: torch.save(torch.zeros(1 << 20), "/dev/full"))
+    assert isinstance(err, RuntimeError)
+    failure = storage_failure(err, tmp_path / "trainer_state_rank0.pt", tmp_path)
+    assert failure is not None and "trainer_state_rank0.pt failed" in str(failure)
+
+
+def test_a_deleted_run_directory_is_named(tmp_path):
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    shutil.rmtree(run)
+    err = _raised(lambda: (run / "samples" / "epoch_0001.png").write_bytes(b"png"))
+    failure = storage_failure(err, run, run)
+    assert failure is not None and f"the run directory {run} was deleted" in str(failure)
+    assert "epoch_0001.png" in str(failure)
+
+
+def test_other_errors_keep_their_traceback(tmp_path):
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with writing(tmp_path, tmp_path):
+            raise RuntimeError("shape mismatch")
+    with pytest.raises(FileNotFoundError):  # a missing input elsewhere is not the run directory's loss
+        with writing(tmp_path, tmp_path):
+            open(tmp_path.parent / "no-such-input.json")
+
+
+SAVE_INTO_A_FULL_DISK = textwrap.dedent("""
+    import json, sys, torch
+    from pathlib import Path
+    from paco_ds.checkpoint import CheckpointManager, verify
+    from paco_ds.errors import UserError
+    root = Path(sys.argv[1]) / "checkpoints"
+    ckpt = CheckpointManager(root, keep_last=3, rank=0, world_size=1)
+    ckpt.save(None, "epoch_0000", {"w": torch.zeros(8)}, {"epoch": 0})
+    try:
+        ckpt.save(None, "epoch_0001", {"w": torch.zeros(1 << 18)}, {"epoch": 1})  # 1 MiB: does not fit
+        out = {"error": None}
+    except UserError as err:
+        out = {"error": str(err), "code": err.exit_code}
+    out["latest"] = (root / "latest").read_text()
+    out["left"] = sorted(p.name for p in root.iterdir())
+    out["verified"] = bool(verify(root / "epoch_0000"))
+    print(json.dumps(out))
+""")
+
+
+def _in_a_full_disk(tmp_path, script: str, size: str = "256k") -> subprocess.CompletedProcess:
+    """Run `script` with its first argument a fresh tmpfs of `size`, private to it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    for prefix in (["unshare", "-m"], ["unshare", "-r", "-m"]):  # as root; else in a user namespace
+        r = subprocess.run([*prefix, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$1" && shift && exec "$@"',
+                            "sh", str(disk), sys.executable, "-c", script, str(disk)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        if "mount" not in r.stderr and "unshare" not in r.stderr:
+            return r
+    pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[-200:]}")
+
+
+def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_intact(tmp_path):
+    r = _in_a_full_disk(tmp_path, SAVE_INTO_A_FULL_DISK)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["code"] == 74
+    assert out["error"].startswith("saving checkpoint epoch_0001: no space left on device writing ")
+    assert "the last complete checkpoint" in out["error"] and out["error"].endswith("epoch_0000, is intact")
+    assert out["latest"] == "epoch_0000" and out["verified"]
+    assert out["left"] == ["epoch_0000", "latest"]  # the partial checkpoint's space is given back
