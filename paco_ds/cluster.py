@@ -330,10 +330,12 @@ class Cluster:
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         rj.pid = None
 
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
     def _ready(self, rj: RunningJudge) -> bool:
-        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            r = httpx.get(f"{rj.url}/v1/models", headers=headers, timeout=2.0)
+            r = httpx.get(f"{rj.url}/v1/models", headers=self._headers(), timeout=2.0)
             return r.status_code == 200 and self.servers.models[0].name in {m.get("id") for m in r.json()["data"]}
         except (httpx.HTTPError, ValueError, KeyError):
             return False
@@ -442,8 +444,9 @@ class Cluster:
         stats = {}
         for rj in self.judges:  # what each judge served, for the record (cluster/judges.json)
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                stats[rj.judge.name] = {**httpx.get(f"{rj.url}/stats", timeout=2.0).json(), "restarts": rj.restarts,
-                                        "history": rj.history}
+                r = httpx.get(f"{rj.url}/stats", headers=self._headers(), timeout=2.0)
+                served = r.json() if r.status_code == 200 else {"error": f"/stats answered {r.status_code}: {r.text[:200]}"}
+                stats[rj.judge.name] = {**served, "restarts": rj.restarts, "history": rj.history}
         if stats:
             import json
 
