@@ -1,17 +1,15 @@
 """GRPO advantages and the PPO-clip loss as tensor ops: torch and Triton (the stat tracker of
 PaCo-RL/PaCo-GRPO/paco_grpo/stat_tracking.py; compute_ppo_loss of PaCo-RL/PaCo-GRPO/scripts/train_flux.py).
 
-Why: the numpy stat tracker (`paco_ds.grpo.advantages`, `paco_ds.rewards.aggregate`) loops over
-groups on the host; on GPU the advantage step of an epoch is one Triton launch over the gathered
-[K, N] rewards, and the PPO-clip loss with its statistics is one launch forward and one backward.
-The stat tracker runs this op for the configurations it covers and keeps its numpy path for the
-rest; its tests hold the two to 1e-12.
+Why: on GPU the advantage step of an epoch is one Triton launch over the gathered [K, N] rewards,
+and the PPO-clip loss with its statistics is one launch forward and one backward. The stat tracker
+(`paco_ds.grpo.advantages`) aggregates the rewards itself (`paco_ds.rewards.aggregate`, in torch)
+and normalises the result through this op, one reward type.
 
 `grpo_advantages` implements the centred path of the reference: optional log-tame of the reward
 types (coefficient of variation over the batch above a threshold -> log(1 + r)), the weighted sum,
 then (R - group mean) / std with a global or per-group std floored at `std_floor`, then the clip.
 It computes in fp64, as the reference does; the torch version below is also the CPU path.
-Rank-GRPO, uncentred aggregations and the all-singleton-groups fallback stay in the StatTracker.
 
 `ppo_clip_loss_torch` is the torch reference of the PPO-clip loss (the ground truth, and the
 "torch" and "cpp" backends: there is no C++ kernel for [B] vectors); `ppo_clip_loss_triton`

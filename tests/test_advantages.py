@@ -1,9 +1,5 @@
-"""The stat tracker and every aggregator against hand-computed values, and its kernel path
-(kernels.grpo_advantages) against its numpy path.
-
-The hand-computed tests run twice (`both_paths`), on the numpy path and, wherever it applies, on
-the kernel path (test ids [numpy] and [kernel]); the stats say which one ran.
-"""
+"""The stat tracker and every aggregator against hand-computed values, and its one torch path
+(aggregation, then kernels.grpo_advantages) against a straightforward numpy reference."""
 import numpy as np
 import pytest
 
@@ -13,30 +9,15 @@ from paco_ds.grpo.advantages import StatTracker, group_ranks
 from paco_ds.rewards.aggregate import aggregate
 
 
-PATH = {"kernel": False}
-
-
-@pytest.fixture(autouse=True)
-def path(request, monkeypatch):
-    monkeypatch.setitem(PATH, "kernel", getattr(request, "param", False))
-    return PATH["kernel"]
-
-
-both_paths = pytest.mark.parametrize("path", [False, True], ids=["numpy", "kernel"], indirect=True)
-
-
-def tracker(fn="weighted_sum", weights=None, center=True, threshold="mean", kernel=None, **adv):
-    """A StatTracker on the path of this test run (or `kernel`)."""
+def tracker(fn="weighted_sum", weights=None, center=True, threshold="mean", **adv):
     return StatTracker(AdvantageConfig(**adv), AggregationConfig(fn=fn, center=center, threshold=threshold),
-                       weights or {}, kernel=PATH["kernel"] if kernel is None else kernel)
+                       weights or {})
 
 
-@both_paths
-def test_grpo_global_std_by_hand(path):
+def test_grpo_global_std_by_hand():
     r = {"a": np.array([1.0, 3.0, 2.0, 2.0])}
     g = np.array([0, 0, 1, 1])
     out = tracker().compute(r, g)
-    assert out.stats["kernel"] == float(path)
     # group means 2, 2; global std of [1,3,2,2] = sqrt(0.5)
     s = np.sqrt(0.5)
     assert out.advantages == pytest.approx([-1 / s, 1 / s, 0, 0])
@@ -44,16 +25,13 @@ def test_grpo_global_std_by_hand(path):
     assert out.stats["avg_group_std"] == pytest.approx(0.5) and out.stats["avg_group_size"] == 2
 
 
-@both_paths
-def test_grpo_group_std_and_zero_std_group(path):
+def test_grpo_group_std_and_zero_std_group():
     r = {"a": np.array([1.0, 3.0, 5.0, 5.0, 5.0])}
     g = np.array([7, 7, 9, 9, 9])
     out = tracker(global_std=False).compute(r, g)
-    assert out.stats["kernel"] == float(path)
     assert out.advantages == pytest.approx([-1, 1, 0, 0, 0])  # group std 1; std 0 floored, numerator 0
 
 
-@both_paths
 def test_std_floor_and_clip():
     r = {"a": np.array([0.0, 1e-9, 0.0, 100.0])}
     g = np.array([0, 0, 1, 1])
@@ -66,7 +44,6 @@ def test_std_floor_and_clip():
     assert np.abs(out.advantages).max() == 0.5
 
 
-@both_paths
 def test_single_sample_groups():
     # mixed: a single-sample group gets 0 (its own mean)
     out = tracker().compute({"a": np.array([1.0, 2.0, 3.0])}, np.array([0, 0, 1]))
@@ -76,7 +53,6 @@ def test_single_sample_groups():
     assert out.advantages == pytest.approx(np.array([-1, 0, 1]) / np.std([1, 2, 3]))
 
 
-@both_paths
 def test_weighted_sum_weights():
     r = {"a": np.array([1.0, 0.0]), "b": np.array([0.0, 1.0])}
     out = tracker(weights={"a": 0.2, "b": 1.0}).compute(r, np.array([0, 0]))
@@ -84,7 +60,6 @@ def test_weighted_sum_weights():
     assert out.advantages == pytest.approx([-1, 1])
 
 
-@both_paths
 def test_rank_grpo():
     assert group_ranks(np.array([3.0, 1.0, 2.0, 5.0, 5.0]), np.array([0, 0, 0, 1, 1])) == pytest.approx(
         [1, 0, 0.5, 0.5, 0.5])  # ties share their average rank
@@ -121,7 +96,6 @@ def test_log_tame_thresholds(threshold, tamed):
     assert out.info["log_tame/threshold"] == pytest.approx(expected_tau)
 
 
-@both_paths
 def test_log_tame_then_normalise_vs_reference_uncentred():
     r = {"a": np.array([1.0, 2.0, 3.0, 4.0]), "b": np.array([0.5, 0.5, 0.6, 0.4])}
     g = np.array([0, 0, 1, 1])
@@ -134,7 +108,6 @@ def test_log_tame_then_normalise_vs_reference_uncentred():
     assert uncentred.advantages == pytest.approx(np.clip(uncentred.combined, -5, 5))
 
 
-@both_paths
 def test_weighted_advantage_sum():
     r = {"a": np.array([1.0, 3.0, 0.0, 0.0]), "b": np.array([2.0, 2.0, 0.0, 4.0])}
     g = np.array([0, 0, 1, 1])
@@ -147,7 +120,6 @@ def _user_agg(rewards, weights, group_ids):
     return rewards["a"] * 10
 
 
-@both_paths
 def test_user_function_by_module_path():
     out = tracker(fn=f"{__name__}:_user_agg").compute({"a": np.array([1.0, 2.0])}, np.array([0, 0]))
     assert out.combined == pytest.approx([10, 20]) and out.advantages == pytest.approx([-1, 1])
@@ -163,7 +135,6 @@ def test_unknown_aggregation_name_is_a_config_error():
         load_config(TINY, ["rewards.train.aggregation.fn=log_tamed"])
 
 
-@both_paths
 def test_masked_samples_are_left_out_not_zeroed():
     r = {"a": np.array([1.0, 3.0, np.nan, 100.0]), "b": np.array([0.0, 0.0, 0.0, 0.0])}
     g = np.array([0, 0, 0, 1])
@@ -174,7 +145,6 @@ def test_masked_samples_are_left_out_not_zeroed():
     assert np.isnan(out.combined[2])
 
 
-@both_paths
 def test_drop_zero_std_groups_and_stats():
     r = {"a": np.array([1.0, 1.0, 1.0, 2.0])}
     g = np.array([0, 0, 1, 1])
@@ -189,7 +159,7 @@ def test_drop_zero_std_groups_and_stats():
     assert t2.compute(r, g).stats["trained_prompt_num"] == 4
 
 
-# ----------------------------------------------------------------------------- kernel path vs numpy path
+# ----------------------------------------------------------------------------- against a numpy reference
 def epoch(seed=0, k=16, m=42, zero_spread=3):
     """One epoch of m prompts x k images (672 by default) and 3 reward types of different scales and
     spreads (coefficients of variation about 0.7, 0.2, 1.4), with scattered, shuffled group ids.
@@ -205,23 +175,38 @@ def epoch(seed=0, k=16, m=42, zero_spread=3):
     return {name: r[i, order] for i, name in enumerate("abc")}, ids[order], {"a": 0.25, "b": 1.0, "c": 1.5}
 
 
-def both(rewards, ids, weights, valid=None, fn="weighted_sum", threshold="mean", **adv):
-    """(kernel path, numpy path) results of one configuration."""
-    agg = AggregationConfig(fn=fn, threshold=threshold)
-    out = [StatTracker(AdvantageConfig(**adv), agg, weights, kernel=kernel).compute(rewards, ids, valid)
-           for kernel in (True, False)]
-    assert out[0].stats["kernel"] == 1.0 and out[1].stats["kernel"] == 0.0
-    return out
+def reference(rewards, ids, weights, valid=None, fn="weighted_sum", threshold="mean", global_std=True,
+              std_floor=1e-6, clip=5.0, drop_zero_std_groups=False):
+    """The reference's stat tracker written out in numpy (PaCo-RL/PaCo-GRPO/paco_grpo/stat_tracking.py):
+    (advantages, combined, keep)."""
+    names = list(rewards)
+    r = np.stack([rewards[n] for n in names])
+    ok = np.isfinite(r).all(0) & (np.ones(ids.size, bool) if valid is None else valid)
+    r, g = r[:, ok], ids[ok]
+    if fn == "log_tame":
+        h = r.std(1) / (r.mean(1) + 1e-6)
+        tau = {"mean": np.mean, "median": np.median}[threshold](h) if isinstance(threshold, str) else threshold
+        r = np.where((h > tau)[:, None], np.log1p(r), r)
+    values = (np.array([weights[n] for n in names])[:, None] * r).sum(0)
+    adv, keep = np.zeros(ids.size), ok.copy()
+    a = np.zeros(values.size)
+    for x in np.unique(g):
+        v = values[g == x]
+        a[g == x] = (v - v.mean()) / max(values.std() if global_std else v.std(), std_floor)
+        if drop_zero_std_groups and v.std() < 1e-5:
+            keep[np.flatnonzero(ok)[g == x]] = False
+    adv[ok] = np.clip(a, -clip, clip)
+    adv[~keep] = 0
+    combined = np.full(ids.size, np.nan)
+    combined[ok] = values
+    return adv, combined, keep
 
 
-def assert_same(kernel, ref):
-    np.testing.assert_allclose(kernel.advantages, ref.advantages, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(kernel.combined, ref.combined, rtol=1e-12, atol=0)  # NaN where masked, in both
-    assert kernel.keep.tolist() == ref.keep.tolist()
-    assert kernel.stats.keys() == ref.stats.keys()
-    for key, want in ref.stats.items():
-        if key != "kernel":
-            assert kernel.stats[key] == pytest.approx(want, rel=1e-12, abs=1e-12), key
+def assert_reference(out, want):
+    adv, combined, keep = want
+    np.testing.assert_allclose(out.advantages, adv, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(out.combined, combined, rtol=1e-12, atol=0)  # NaN where masked, in both
+    assert out.keep.tolist() == keep.tolist()
 
 
 CONFIGS = [
@@ -235,22 +220,27 @@ CONFIGS = [
 ]
 
 
+def run(rewards, ids, weights, valid=None, fn="weighted_sum", threshold="mean", **adv):
+    return tracker(fn=fn, threshold=threshold, weights=weights, **adv).compute(rewards, ids, valid)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
-def test_the_kernel_path_equals_the_numpy_path(config):
+def test_the_advantages_equal_the_numpy_reference(config):
     # log(1 + r) leaves the binary grid: zero-spread groups under a per-group std are the next test's case
     rewards, ids, weights = epoch(zero_spread=0 if config.get("fn") and "global_std" in config else 3)
-    kernel, ref = both(rewards, ids, weights, **config)
-    assert_same(kernel, ref)
-    assert (np.abs(ref.advantages) == ref.advantages.max()).sum() > 1 or "clip" not in config  # the clip bites
+    out = run(rewards, ids, weights, **config)
+    want = reference(rewards, ids, weights, **config)
+    assert_reference(out, want)
+    assert (np.abs(want[0]) == want[0].max()).sum() > 1 or "clip" not in config  # the clip bites
     if config.get("fn") == "log_tame":
-        assert 0 < sum(ref.stats[f"log_tame/tamed/{n}"] for n in "abc") < 3  # the case exercises the choice
+        assert 0 < sum(out.stats[f"log_tame/tamed/{n}"] for n in "abc") < 3  # the case exercises the choice
 
 
 @pytest.mark.parametrize("k, m", [(2, 3), (5, 8), (24, 48)])
-def test_the_kernel_path_equals_the_numpy_path_at_other_sizes(k, m):
+def test_the_advantages_equal_the_numpy_reference_at_other_sizes(k, m):
     rewards, ids, weights = epoch(seed=k, k=k, m=m, zero_spread=1)
     for config in CONFIGS[:3]:
-        assert_same(*both(rewards, ids, weights, **config))
+        assert_reference(run(rewards, ids, weights, **config), reference(rewards, ids, weights, **config))
 
 
 def test_masked_samples_and_groups_left_with_one_sample():
@@ -261,68 +251,40 @@ def test_masked_samples_and_groups_left_with_one_sample():
     alone, *others = np.flatnonzero(ids == ids[2])
     valid[others] = False  # one sample of this group is left
     rewards["a"][alone] = 1.0
-    kernel, ref = both(rewards, ids, weights, valid, fn="log_tame", global_std=False)
-    assert_same(kernel, ref)
-    assert kernel.stats["masked"] > 3 and kernel.keep[alone] and kernel.advantages[alone] == 0 == ref.advantages[alone]
+    out = run(rewards, ids, weights, valid, fn="log_tame", global_std=False)
+    assert_reference(out, reference(rewards, ids, weights, valid, fn="log_tame", global_std=False))
+    assert out.stats["masked"] > 3 and out.keep[alone] and out.advantages[alone] == 0
 
 
-def test_zero_spread_groups_off_the_binary_grid_differ_by_rounding_noise_only():
-    """A group whose samples share one reward that 1/8 does not divide: its mean rounds differently in
-    numpy's pairwise sums (groups over 8) and the kernel's sequential ones, so x - mean is a rounding
-    residue of either sign; under a per-group std that residue is divided by std_floor. Both paths
-    then return noise of about eps * |x| / std_floor for those samples, and agree everywhere else."""
+def test_zero_spread_groups_off_the_binary_grid_give_rounding_noise_only():
+    """A group whose samples share one reward that 1/8 does not divide: its mean rounds, so x - mean
+    is a rounding residue of either sign, and under a per-group std it is divided by std_floor. The
+    advantages of those samples are then noise of about eps * |x| / std_floor (the same on every
+    call), the others are exact, and drop_zero_std_groups leaves the group out of training."""
     rewards, ids, weights = epoch(seed=4, zero_spread=0)
     zero = ids == ids[0]
     for v in rewards.values():
         v[zero] = 0.3
-    kernel, ref = both(rewards, ids, weights, global_std=False)
-    bound = 8 * np.finfo(float).eps * np.abs(ref.combined).max() / 1e-6
-    assert np.abs(kernel.advantages[zero] - ref.advantages[zero]).max() <= bound
-    np.testing.assert_allclose(kernel.advantages[~zero], ref.advantages[~zero], rtol=0, atol=1e-12)
+    out = run(rewards, ids, weights, global_std=False)
+    want = reference(rewards, ids, weights, global_std=False)
+    bound = 8 * np.finfo(float).eps * np.abs(want[1]).max() / 1e-6
+    assert np.abs(out.advantages[zero]).max() <= bound
+    np.testing.assert_allclose(out.advantages[~zero], want[0][~zero], rtol=0, atol=1e-12)
+    assert np.array_equal(run(rewards, ids, weights, global_std=False).advantages, out.advantages)
+    dropped = run(rewards, ids, weights, global_std=False, drop_zero_std_groups=True)
+    assert not dropped.keep[zero].any() and (dropped.advantages[zero] == 0).all()
 
 
-@pytest.mark.parametrize("config", [dict(method="rank_grpo"), dict(center=False), dict(fn="geometric_mean"),
-                                    dict(fn="weighted_advantage_sum"), dict(fn=f"{__name__}:_user_agg"),
-                                    dict(k_is_one=True)], ids=lambda c: "{}={}".format(*next(iter(c.items()))))
-def test_what_the_kernel_does_not_cover_runs_numpy(config):
-    config = dict(config)
-    rewards, ids, weights = epoch(seed=5, k=4, m=6)
-    if config.pop("k_is_one", False):
-        ids = np.arange(ids.size)
-    agg = {key: config.pop(key) for key in ("fn", "center") if key in config}
-    t = StatTracker(AdvantageConfig(**config), AggregationConfig(**agg), weights, kernel=True)
-    assert not t.kernel_applies(ids) and not t.kernel_applies(ids, "cuda")
-    out = t.compute(rewards, ids)
-    ref = StatTracker(AdvantageConfig(**config), AggregationConfig(**agg), weights, kernel=False).compute(rewards, ids)
-    assert out.stats["kernel"] == 0.0 and np.array_equal(out.advantages, ref.advantages)
-
-
-def test_log_tame_domain_error_reads_the_same_on_both_paths():
+def test_log_tame_domain_error_names_the_reward():
     r = {"a": np.array([0.5, 0.6, 0.5, 0.4]), "b": np.array([-1.0, 9.0, 0.0, 30.0])}
-    g = np.array([0, 0, 1, 1])
-    for kernel in (True, False):
-        t = StatTracker(AdvantageConfig(), AggregationConfig(fn="log_tame"), {}, kernel=kernel)
-        with pytest.raises(RewardError, match=r"^log_tame: reward 'b' has values <= -1 \(min -1\); log\(1\+r\)"):
-            t.compute(r, g)
+    with pytest.raises(RewardError, match=r"^log_tame: reward 'b' has values <= -1 \(min -1\); log\(1\+r\)"):
+        tracker(fn="log_tame").compute(r, np.array([0, 0, 1, 1]))
 
 
-def test_by_default_the_kernel_runs_where_it_pays():
-    """On a GPU always; on CPU from CPU_MIN_GROUPS prompt groups, below which numpy is faster."""
-    from paco_ds.grpo.advantages import CPU_MIN_GROUPS
-
-    t = tracker(fn="log_tame", kernel="auto")
-    for m, on_cpu in ((CPU_MIN_GROUPS - 1, False), (CPU_MIN_GROUPS, True), (42, True)):
-        rewards, ids, _ = epoch(seed=m, k=4, m=m)
-        assert t.kernel_applies(ids, "cpu") == on_cpu and t.kernel_applies(ids, "cuda:0")
-        assert t.compute(rewards, ids).stats["kernel"] == float(on_cpu)
-    with pytest.raises(ValueError, match="kernel must be True, False or 'auto'"):
-        tracker(kernel="always")
-
-
-def test_the_kernel_path_runs_on_the_device_it_is_given():
+def test_the_advantages_run_on_the_device_and_backend_they_are_given():
     rewards, ids, weights = epoch(seed=6, k=4, m=5)
-    t = StatTracker(AdvantageConfig(), AggregationConfig(), weights, kernel=True, backend="torch")
-    assert_same(t.compute(rewards, ids, device="cpu"), both(rewards, ids, weights)[1])
+    t = StatTracker(AdvantageConfig(), AggregationConfig(), weights, backend="torch")
+    assert_reference(t.compute(rewards, ids, device="cpu"), reference(rewards, ids, weights))
     with pytest.raises(ValueError, match="'cpp' runs on CPU tensors, these are on meta"):
         StatTracker(AdvantageConfig(), AggregationConfig(), weights, backend="cpp").compute(rewards, ids,
                                                                                         device="meta")

@@ -12,9 +12,9 @@ The backend column names what was asked for; where another backend actually runs
 "cpp->torch" and its "runs" field says so: a fallback is never reported as a fused kernel.
 
 "advantages" times the whole GRPO advantage step of one epoch, `StatTracker.compute` of
-paco_ds/grpo/advantages.py, on its numpy path ("numpy", the baseline of its speed-up column)
-and on its kernel path (kernels.grpo_advantages: "torch" on CPU, "triton" on CUDA). That case
-is the one place in kernels/ that imports paco_ds (inside the function; `import kernels` never does).
+paco_ds/grpo/advantages.py, with its normalisation in torch ("torch") and, on CUDA, in Triton
+("triton"). That case is the one place in kernels/ that imports paco_ds (inside the function;
+`import kernels` never does).
 
 Writes kernels/bench/results/<device>.json and <device>.png (or under --out).
 """
@@ -172,8 +172,8 @@ def _no_grad_unless(op: str, fn):
 
 
 def advantage_case(k: int, m: int, fn: str, global_std: bool, device, triton: bool):
-    """The advantage step of an epoch of m prompts x k images with 3 rewards: the StatTracker on its
-    numpy path and on its kernel path (torch here, or Triton on CUDA), from host arrays to host arrays."""
+    """The advantage step of an epoch of m prompts x k images with 3 rewards: the StatTracker with the
+    torch backend (and Triton on CUDA), from host arrays to host arrays."""
     import numpy as np
 
     from paco_ds.config import AdvantageConfig, AggregationConfig
@@ -185,12 +185,9 @@ def advantage_case(k: int, m: int, fn: str, global_std: bool, device, triton: bo
     ids = np.repeat(rng.choice(100_000, m, replace=False), k)[rng.permutation(n)]
     weights = {"a": 0.2, "b": 1.0, "c": 1.0}
     cfg = (AdvantageConfig(global_std=global_std), AggregationConfig(fn=fn))
-    trackers = {"numpy": StatTracker(*cfg, weights, kernel=False),
-                "torch": StatTracker(*cfg, weights, kernel=True, backend="torch")}
+    trackers = {"torch": StatTracker(*cfg, weights, backend="torch")}
     if triton:
-        trackers["triton"] = StatTracker(*cfg, weights, kernel=True, backend="triton")
-    for name, tracker in trackers.items():
-        assert tracker.compute(rewards, ids, device=device).stats["kernel"] == float(name != "numpy")
+        trackers["triton"] = StatTracker(*cfg, weights, backend="triton")
     fns = {name: (lambda t=tracker: t.compute(rewards, ids, device=device)) for name, tracker in trackers.items()}
     return 3 * n * 8 + n * 8 + 2 * n * 8, fns
 
@@ -276,8 +273,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['median_ms']:>10.4f} {r['gbs']:>8.1f} {r['pct_copy']:>6.0f}% {speed:>9}")
         last = key
     if any(r["op"] == "advantages" for r in rows):
-        print("\n(advantages: the StatTracker's whole advantage step for k x m samples and 3 rewards; its speed-up "
-              "is over the numpy path, not eager torch)")
+        print("\n(advantages: the StatTracker's whole advantage step for k x m samples and 3 rewards)")
 
 
 def plot(path: Path, rows: list[dict], curve: list[dict], copy_gbs: float, title: str) -> None:
@@ -401,7 +397,7 @@ def main(argv=None) -> int:
                 std = "global" if global_std else "group"
                 record("advantages", f"{k}x{m} {fn.replace('_', '-')} {std}-std",
                        {"group_size": k, "groups": m, "aggregation": fn, "global_std": global_std}, nbytes,
-                       side_by_side(timer, fns, rounds), baseline="numpy")
+                       side_by_side(timer, fns, rounds))
     if "ppo_fwd_bwd" in ops:
         for b in ppo_batches:
             nbytes, fns = ppo_case(b, device, triton, compiled)

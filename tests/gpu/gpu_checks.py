@@ -53,8 +53,8 @@ def check_ppo_dtype(dtype, device="cuda", b=672, seed=0, clip_range=0.2, adv_cli
 
 
 def check_advantages_dtype(dtype, log_tame=None, global_std=True, device="cuda", seed=0, clip=1.5):
-    """The Triton advantage op on `dtype` rewards (it computes in fp64) against the numpy
-    StatTracker on the same rounded rewards. The op has no backward: the advantages are constants of
+    """The Triton advantage op on `dtype` rewards (it computes in fp64) against the StatTracker on CPU
+    (torch) on the same rounded rewards. The op has no backward: the advantages are constants of
     the loss, so they never carry a graph even when the rewards do."""
     import kernels
     from paco_ds.config import AdvantageConfig, AggregationConfig
@@ -65,8 +65,7 @@ def check_advantages_dtype(dtype, log_tame=None, global_std=True, device="cuda",
     names = [f"r{k}" for k in range(len(weights))]
     agg = AggregationConfig(fn="weighted_sum" if log_tame is None else "log_tame", threshold=log_tame or "mean")
     ref = StatTracker(AdvantageConfig(global_std=global_std, clip=clip), agg, dict(zip(names, weights)),
-                      kernel=False).compute(
-        dict(zip(names, r.double().numpy())), ids)
+                      backend="torch").compute(dict(zip(names, r.double().numpy())), ids)
     rk = r.to(device).requires_grad_(dtype.is_floating_point)
     out = kernels.grpo_advantages(rk, weights, torch.tensor(ids, device=device), log_tame=log_tame,
                                   global_std=global_std, clip=clip, backend="triton")
