@@ -7,12 +7,15 @@ came from, so a mistake is reported as one line that names the place and the key
 
 Names that live in registries above the schema (rewards, policies, losses) are checked through
 pydantic's validation context: the caller passes the tables (`context=`), so the schema modules
-import nothing from the layers that use them.
+import nothing from the layers that use them. Each of those registries (and the aggregations)
+also takes an out-of-tree implementation by its import path, "module:attr", resolved by `resolve`
+when it is built.
 """
 from __future__ import annotations
 
 import copy
 import difflib
+import importlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -29,11 +32,33 @@ def suggest(name: str, choices) -> str:
 
 def check_name(value: str, info: ValidationInfo, table: str, what: str) -> str:
     """In a field validator: `value` must be a key of the registry `table` of the validation
-    context (when the loader gave one), else a message with the closest name and the known ones."""
+    context (when the loader gave one) or an import path "module:attr", else a message with the
+    closest name and the known ones. An import path is imported when it is built (`resolve`)."""
+    if ":" in value:
+        module, _, attr = value.partition(":")
+        if not module or not attr:
+            raise ValueError(f"'{value}' is not an import path 'module:attr'")
+        return value
     names: Iterable[str] | None = (info.context or {}).get(table)
     if names is not None and value not in names:
-        raise ValueError(f"unknown {what} '{value}'{suggest(value, names)}; known: {', '.join(sorted(names))}")
+        raise ValueError(f"unknown {what} '{value}'{suggest(value, names)}; known: {', '.join(sorted(names))} "
+                         "(or 'module:attr')")
     return value
+
+
+def resolve(value: str, table: dict[str, str], key: str, what: str) -> Any:
+    """What a registry name (a key of `table`, whose values are "module:attr") or an import path
+    "module:attr" of an out-of-tree implementation names, imported now; an unknown name or a path
+    that does not import is a ConfigError naming the config key `key`."""
+    spec = value if ":" in value else table.get(value)
+    if spec is None:
+        raise ConfigError(f"config key '{key}': unknown {what} '{value}'{suggest(value, table)}; "
+                          f"known: {', '.join(sorted(table))} (or 'module:attr')")
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"config key '{key}': cannot import {what} '{value}' ({err})") from None
 
 
 # A recipe has hundreds of nodes; a document whose aliases expand past this many is an alias bomb

@@ -23,7 +23,6 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +35,7 @@ import kernels
 from paco_ds.config import Config
 from paco_ds.grpo.ema import ShadowWeights
 from paco_ds.models.base import Policy
+from paco_ds.recipe import resolve
 from paco_ds.sampling.rollout import Trajectory, make_generator, transition_log_prob
 
 
@@ -305,8 +305,8 @@ LOSSES: dict[str, str] = {
 
 
 def loss_class(name: str) -> type[Loss]:
-    module, attr = LOSSES[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+    """The Loss class of `train.loss`: a name of LOSSES or "module:Class" (a loss outside paco_ds)."""
+    return resolve(name, LOSSES, "train.loss", "loss")
 
 
 def build_loss(cfg: Config, policy: Policy) -> Loss:

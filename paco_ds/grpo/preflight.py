@@ -5,6 +5,7 @@ exists:
 - every image size the model will be asked for is a multiple of its family's `size_multiple`
   (train/test resolution, and the height/width of each data record, named by file:line);
 - every reward argument of the recipe is one the reward's constructor takes;
+- a reward or loss named by import path ("module:Class") imports (a policy's is imported at load);
 - the DeepSpeed config file exists and is JSON;
 - the output directory can be created and written (probed with a temporary file, removed);
 - `--resume DIR`/`latest` names an intact checkpoint (paco_ds/checkpoint.py verifies its files).
@@ -51,6 +52,12 @@ def check_reward_arguments(cfg: Config) -> None:
             check(name, term.kwargs, where)
 
 
+def check_loss(cfg: Config) -> None:
+    from paco_ds.grpo.losses import loss_class
+
+    loss_class(cfg.train.loss)
+
+
 def check_writable(path: Path, key: str = "output_dir") -> None:
     """`path` (a directory to be) can be created and written: probe the nearest existing ancestor
     (or the directory itself) with a temporary file; nothing is left behind."""
@@ -83,5 +90,6 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     if test_items:
         check_sizes(cfg, test_items, "data.test_file")
     check_reward_arguments(cfg)
+    check_loss(cfg)
     check_deepspeed_config(cfg)
     check_writable(cfg.run_dir, "output_dir")

@@ -2,11 +2,12 @@
 
 `model.family` names a policy here. An editing policy is one new file implementing `Policy` (with
 `encode_condition` for its reference images) plus one line in POLICIES; the recipe loader checks
-the name, so a family without a policy is a one-line error at load and in `--dry-run`.
+the name, so a family without a policy is a one-line error at load and in `--dry-run`. A policy
+outside paco_ds is named by its import path, `model.family: mypackage.module:MyPolicy`.
 """
 from __future__ import annotations
 
-import importlib
+from paco_ds.recipe import resolve
 
 POLICIES: dict[str, str] = {
     "flux": "paco_ds.models.flux:FluxPolicy",
@@ -17,8 +18,8 @@ POLICIES: dict[str, str] = {
 
 
 def policy_class(family: str):
-    module, attr = POLICIES[family].split(":")
-    return getattr(importlib.import_module(module), attr)
+    """The Policy class of `model.family`: a name of POLICIES or "module:Class"."""
+    return resolve(family, POLICIES, "model.family", "model family")
 
 
 def with_family_defaults(model_cfg):

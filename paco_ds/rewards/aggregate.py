@@ -14,7 +14,6 @@ exp(sum w_k log r_k / sum w_k) and sum w_k / sum (w_k / r_k).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from paco_ds.errors import ConfigError, RewardError
+from paco_ds.recipe import resolve
 
 BUILTIN = ("weighted_sum", "geometric_mean", "harmonic_mean", "log_tame", "weighted_advantage_sum")
 
@@ -112,11 +112,7 @@ def weighted_advantage_sum(rewards, weights, group_ids, global_std=True, std_flo
 
 
 def load_user_fn(spec: str, where: str) -> Callable:
-    module, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"config key '{where}': cannot import aggregation function '{spec}' ({err})") from None
+    fn = resolve(spec, {}, where, "aggregation function")
     if not callable(fn):
         raise ConfigError(f"config key '{where}': '{spec}' is not callable")
     return fn

@@ -5,11 +5,11 @@ reward imports its module and filters the configured keyword arguments against i
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from paco_ds.errors import ConfigError
+from paco_ds.recipe import resolve
 
 REWARDS: dict[str, str] = {
     # local, in-process
@@ -29,11 +29,10 @@ REWARDS: dict[str, str] = {
 }
 
 
-def reward_class(name: str):
-    if name not in REWARDS:
-        raise ConfigError(f"unknown reward '{name}'; known: {', '.join(sorted(REWARDS))}")
-    module, attr = REWARDS[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+def reward_class(name: str, where: str = "rewards"):
+    """The class of reward `name`: a name of REWARDS or "module:Class" (a reward outside paco_ds);
+    `where`: the config key of the reward set, for the one-line error."""
+    return resolve(name, REWARDS, f"{where}.{name}", "reward")
 
 
 _CONTEXT = ("device", "tiny", "run_dir", "reward_endpoints", "shared")  # passed by the runner, not the recipe
@@ -43,7 +42,7 @@ def check_reward_arguments(name: str, kwargs: dict[str, Any], where: str = "rewa
                            context: tuple[str, ...] = _CONTEXT) -> tuple[Any, dict]:
     """Every recipe argument of reward `name` is one its constructor takes, else one line naming
     the key (run before the first step and by --dry-run). Returns (class, its parameters)."""
-    cls = reward_class(name)
+    cls = reward_class(name, where)
     params = inspect.signature(cls.__init__).parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for key in kwargs:
