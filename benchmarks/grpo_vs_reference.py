@@ -302,7 +302,7 @@ def epoch_reference(ctx, rep: int) -> dict:
     import torch
 
     import kernels
-    from paco_ds.sampling.grid import to_pil
+    from paco_ds.images import to_pil
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_b"]
     module = policy.transformer

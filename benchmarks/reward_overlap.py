@@ -184,7 +184,7 @@ def record_response(url: str, images) -> dict:
 
     import httpx
 
-    from paco_ds.sampling.grid import to_pil
+    from paco_ds.images import to_pil
 
     grid = to_pil(images[:1])[0]
     w, h = grid.size

@@ -19,13 +19,13 @@ from PIL import Image
 from conftest import REPO, shared_file
 from paco_ds.config import RewardSet
 from paco_ds.errors import RewardError
+from paco_ds.images import split_panels, split_prompt
 from paco_ds.models.tiny import tiny_qwen2_5_vl
 from paco_ds.rewards.consistency import (EDIT_CONSISTENCY_TEMPLATE, EDIT_FOLLOWING_TEMPLATE, PAIR_TEMPLATE_V0,
                                          PAIR_TEMPLATE_V1, data_uri, yes_probability)
 from paco_ds.rewards.registry import build_reward
 from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.runner import RewardRunner
-from paco_ds.sampling.grid import split_panels, split_prompt
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 

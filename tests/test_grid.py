@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from conftest import SHARED_DATA, shared_file
-from paco_ds.sampling.grid import grid_shape, make_grid, split_panels, split_prompt
+from paco_ds.images import grid_shape, make_grid, split_panels, split_prompt
 
 
 def _real_items():

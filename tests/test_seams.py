@@ -91,7 +91,7 @@ class _RecordRefs(Reward):
 def test_rewards_receive_the_original_reference_images():
     from paco_ds.config import RewardSet
     from paco_ds.rewards.runner import RewardRunner
-    from paco_ds.sampling.grid import to_pil
+    from paco_ds.images import to_pil
 
     reward = _RecordRefs()
     # `shared` hands the runner an already-built reward under the term's name and arguments

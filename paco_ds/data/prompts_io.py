@@ -41,7 +41,7 @@ _LAYOUT_IN_PROMPT = re.compile(r"(\d+)\s*[x\u2a09\u00d7]\s*(\d+)")
 
 def _check_layout(rec: dict, prompt: str, where: str) -> None:
     """A T2IS grid layout is exactly 'RxC' with R, C >= 1: the record's `layout`, else the first
-    'RxC' of the prompt (what paco_ds/sampling/grid.py reads). '0x2' would divide by zero in a
+    'RxC' of the prompt (what paco_ds/images.py reads). '0x2' would divide by zero in a
     reward, and '2x2x2' would silently be read as 2x2."""
     layout = rec.get("layout")
     if layout is not None:

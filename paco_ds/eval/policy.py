@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from paco_ds.grpo.evaluation import eval_grid, evaluate_test_prompts
-from paco_ds.sampling.grid import make_grid
+from paco_ds.images import make_grid
 
 log = logging.getLogger(__name__)
 

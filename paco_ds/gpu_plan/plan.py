@@ -347,7 +347,7 @@ def _micro_step(trainer, module, batch) -> None:
 
 def _score(rewards, traj, images: torch.Tensor, counter: _Counter) -> float:
     """The recipe's local reward models on one rollout batch; remote (judge) rewards run elsewhere."""
-    from paco_ds.sampling.grid import to_pil
+    from paco_ds.images import to_pil
 
     flops = 0.0
     for name, reward in rewards:

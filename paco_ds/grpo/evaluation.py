@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from paco_ds.distributed import all_gather_object
-from paco_ds.sampling.grid import make_grid, to_pil
+from paco_ds.images import make_grid, to_pil
 from paco_ds.sampling.rollout import make_generator, sample_trajectories
 
 

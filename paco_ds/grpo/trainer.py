@@ -41,13 +41,13 @@ from paco_ds.grpo.advantages import StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
+from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.models import build_policy
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import RewardRunner, part_scores
-from paco_ds.sampling.grid import make_grid, to_pil
 from paco_ds.sampling.rollout import Trajectory, gather_samples, make_generator, sample_trajectories
 from paco_ds.sampling.window import rollout_steps, window_start
 from paco_ds.serving.manager import endpoints_for_run, started_for_run

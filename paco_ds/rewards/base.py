@@ -74,7 +74,7 @@ class Reward:
         raise NotImplementedError
 
     def __call__(self, images, prompts, metadata=None, ref_images=None) -> RewardResult:
-        from paco_ds.sampling.grid import to_pil
+        from paco_ds.images import to_pil
 
         images = to_pil(images)
         metadata = list(metadata) if metadata is not None else [{} for _ in images]
@@ -99,7 +99,7 @@ def reference_images(ref_images, n: int, name: str) -> list[Image.Image]:
         raise RewardError(f"{name} compares each edit with its reference image, and none was passed "
                           "(ref_images is None): it needs editing data (data.format: edit) and an editing policy")
     if not isinstance(ref_images, (list, tuple)):
-        from paco_ds.sampling.grid import to_pil
+        from paco_ds.images import to_pil
 
         ref_images = to_pil(ref_images)
     out = []

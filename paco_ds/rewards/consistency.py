@@ -32,9 +32,9 @@ import numpy as np
 from PIL import Image
 
 from paco_ds.errors import ConfigError, RewardError
+from paco_ds.images import grid_shape, split_panels, split_prompt
 from paco_ds.rewards.base import LRUCache, PartialRewardError, Reward, RewardResult, image_digest, reference_images
 from paco_ds.rewards.client import ChatClient, RetryPolicy, open_judge
-from paco_ds.sampling.grid import grid_shape, split_panels, split_prompt
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from paco_ds.config import RewardSet
 from paco_ds.errors import RewardError
+from paco_ds.images import to_pil
 from paco_ds.rewards.base import PartialRewardError, Reward, RewardResult
 from paco_ds.rewards.registry import build_reward
-from paco_ds.sampling.grid import to_pil
 
 log = logging.getLogger(__name__)
 

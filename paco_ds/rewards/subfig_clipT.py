@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from paco_ds.images import grid_shape, split_panels, split_prompt
 from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, model_dtype
-from paco_ds.sampling.grid import grid_shape, split_panels, split_prompt
 
 
 class SubfigClipT(Reward):

@@ -1,1 +1,1 @@
-"""Schedules, the SDE step with log-probs, the rollout loop, and grid/panel helpers."""
+"""Schedules, the SDE step with log-probs and the rollout loop."""

@@ -1,5 +1,8 @@
-"""T2IS grids: the model draws the whole grid as one image; rewards look at its panels.
+"""Image helpers, on the ground floor (this module imports nothing from paco_ds): `to_pil` turns
+decoded tensors into PIL images, `make_grid` tiles images for logs and reports, and the T2IS
+grid helpers below cut a grid image into its panels.
 
+T2IS grids: the model draws the whole grid as one image; rewards look at its panels.
 `grid_shape` reads the layout (the item's `layout` field, else the first "RxC" in the prompt),
 `split_panels` crops row-major, `split_prompt` separates the global description from the per-panel
 prompts at markers such as ". [TOP]-[LEFT]:" or ". PANEL-2:" (PaCo-RL/PaCo-GRPO/paco_grpo/utils.py:
