@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
+from kernels.sde_reference import sde_step
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas
 from paco_ds.models.tiny_sd3 import SD3_SCHEDULER_CONFIG, save_sd3_folder, tiny_sd3_components
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
-from paco_ds.sampling.sde import sde_step
 
 CPU = torch.device("cpu")
 PROMPTS = ['a sign that says "open"', "a red cube on a blue sphere", "two dogs"]

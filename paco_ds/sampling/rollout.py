@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels.sde_reference import sde_step
 from paco_ds.models.base import Condition, Policy, TextEmbeds
-from paco_ds.sampling.sde import sde_step
 
 
 def make_generator(*keys) -> torch.Generator:
