@@ -19,18 +19,14 @@ for "cpp" or "triton" by name that runs torch instead warns once (RuntimeWarning
 Errors: a backend that cannot run here raises `BackendError` (a ValueError); the log-tame of the
 advantages raises `grpo.LogTameDomainError` (a ValueError). paco_ds turns them into its one-line
 user errors (paco_ds/errors.py, paco_ds/grpo/advantages.py).
+
+`import kernels` imports no torch: each function imports torch and the op's module when first
+called (then the custom ops register), so `python -m kernels.bench --help` answers at once.
 """
 from __future__ import annotations
 
 import os
 import warnings
-
-import torch
-
-from . import grpo as _grpo
-from . import sde_logprob as _sde
-from . import weighted_ce as _wce
-from .sde_reference import SDEStep, kl_to_reference as _kl_ref, sde_step as _sde_ref
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 # The fused ops are torch.library custom ops (namespace `paco`) with fake implementations and
@@ -71,6 +67,8 @@ def _cpp_ok() -> bool:
 
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """The backends that run on tensors of `device` here ("cpp" builds the C++ ops on first call)."""
+    import torch
+
     kind = torch.device(device).type
     out = ["torch"]
     if kind == "cpu" and _cpp_ok():
@@ -86,6 +84,8 @@ def resolve(backend: str, device: str | torch.device = "cpu") -> str:
     It says nothing of a single op (see `active_backend`). "cpp" gives "torch" when the C++ ops
     cannot be built (kernels/cpp.py has warned); "auto" gives "torch" on CUDA without Triton.
     """
+    import torch
+
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend '{backend}' ({', '.join(BACKENDS)})")
     kind = torch.device(device).type
@@ -116,6 +116,8 @@ def active_backend(op: str, device: str | torch.device = "cpu", backend: str = "
         raise ValueError(f"unknown op '{op}' ({', '.join(KERNELS)})")
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend '{backend}' ({', '.join(BACKENDS)})")
+    import torch
+
     if torch.device(device).type == "cpu" and backend in ("auto", "cpp") and "cpp" not in KERNELS[op]:
         return "torch"  # no C++ kernel for the op: do not build csrc/ to find that out
     which = resolve(backend, device)
@@ -128,6 +130,8 @@ _warned: set = set()
 def _dispatch(op: str, device, backend: str) -> str:
     """active_backend, plus one RuntimeWarning per (op, backend, device type) where a backend asked
     for by name does not run the op, or "auto" finds no Triton for CUDA tensors."""
+    import torch
+
     which = active_backend(op, device, backend)
     kind = torch.device(device).type
     if backend in ("cpp", "triton") and which != backend:
@@ -155,6 +159,9 @@ def sde_step(x, v, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sampl
     `return_mean=False` skips writing the fp32 mean (then `SDEStep.mean` is None), which the loss
     needs only for the KL term.
     """
+    from . import sde_logprob as _sde
+    from .sde_reference import SDEStep, sde_step as _sde_ref
+
     which = _dispatch("sde_step", x.device, backend)
     if which != "torch" and noise_level != 0 and not _sde.supports(x, v):
         if backend != "auto":
@@ -171,6 +178,9 @@ def sde_step(x, v, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sampl
 
 def kl_to_reference(mean, mean_ref, std, backend="auto"):
     """Per-sample mean((mean - mean_ref)^2) / (2 std^2) (fp32 accumulation in the fused backends)."""
+    from . import sde_logprob as _sde
+    from .sde_reference import kl_to_reference as _kl_ref
+
     which = _dispatch("kl_to_reference", mean.device, backend)
     if which == "torch":
         return _kl_ref(mean, mean_ref, std)
@@ -181,6 +191,8 @@ def weighted_linear_ce(hidden, weight, labels, coef=None, *, normalizer=None, ig
                        backend="auto") -> _wce.WeightedCE:
     """sum_j coef_j * CE(hidden_j W^T, label_j) / normalizer without materialising the logits;
     see kernels/weighted_ce.py. Returns (loss, per-row CE, per-row argmax)."""
+    from . import weighted_ce as _wce
+
     which = _dispatch("weighted_linear_ce", hidden.device, backend)
     return _wce.weighted_linear_ce(hidden, weight, labels, coef, normalizer=normalizer, ignore_index=ignore_index,
                                    chunk_size=chunk_size, backend=which)
@@ -188,6 +200,8 @@ def weighted_linear_ce(hidden, weight, labels, coef=None, *, normalizer=None, ig
 
 def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip, backend="auto"):
     """(scalar loss, detached statistics); see kernels/grpo.py ppo_clip_loss_torch."""
+    from . import grpo as _grpo
+
     if _dispatch("ppo_clip_loss", log_prob.device, backend) == "triton":
         return _grpo.ppo_clip_loss_triton(log_prob, old_log_prob, advantages, clip_range, adv_clip)
     return _grpo.ppo_clip_loss_torch(log_prob, old_log_prob, advantages, clip_range, adv_clip)
@@ -196,6 +210,10 @@ def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip, back
 def grpo_advantages(rewards, weights, group_ids, *, log_tame=None, global_std=True, std_floor=1e-6, clip=5.0,
                     backend="auto") -> _grpo.Advantages:
     """GRPO advantages of rewards [K, N] with weights [K] and group ids [N]; see kernels/grpo.py."""
+    import torch
+
+    from . import grpo as _grpo
+
     which = _dispatch("grpo_advantages", rewards.device, backend)
     if which == "triton" and rewards.shape[0] > _grpo.MAX_REWARD_TYPES:
         # the kernel holds all reward types of a sample in one tile (kernels/geometry.py)

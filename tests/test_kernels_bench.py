@@ -38,3 +38,21 @@ def test_bench_prints_the_committed_compile_table(capsys):
         for row in doc["summary"]:
             line = next(l for l in out.splitlines() if l.startswith(f"sm_{arch}") and f" {row['kernel']} " in l)
             assert line.split()[2:5] == [str(row["configs"]), str(row["failed"]), str(row["registers"])]
+
+
+def test_help_and_bad_arguments_answer_before_torch_is_imported():
+    """`--help` and an argument error come from the command line alone: torch (seconds to import) is
+    imported only once the arguments are good."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['kernels.bench', *sys.argv[1:]]\n"
+            "try:\n"
+            "    runpy.run_module('kernels.bench', run_name='__main__')\n"
+            "finally:\n"
+            "    print('torch imported:', 'torch' in sys.modules)\n")
+    out = run_cli("-c", code, "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage: python -m kernels.bench" in out.stdout and "--ops OPS" in out.stdout
+    assert out.stdout.strip().endswith("torch imported: False")
+    out = run_cli("-c", code, "--ops", "sde_fwd,nope")
+    assert out.returncode == 2 and "unknown ops ['nope']" in out.stderr
+    assert out.stdout.strip().endswith("torch imported: False")
