@@ -203,3 +203,51 @@ def test_a_run_directory_deleted_mid_run_is_one_line(tmp_path):
     assert launcher.returncode == 74, err[-4000:]
     assert f"train: error: the run directory {run_dir} was deleted while the run was writing to it" in err, err[-4000:]
     _no_traceback(err)
+
+
+def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
+    """A SIGTERM while epoch 1 trains, in its second inner epoch (DiffusionNFT, whose noise
+    depends on how often each sample and step was visited this epoch): the checkpoint keeps the
+    epoch's rollouts, the micro-steps done, the gradients accumulated and the loss's own state;
+    --resume latest ends with the uninterrupted run's metrics exactly."""
+    import re
+    import threading
+
+    sets = ("train.num_epochs=2", "checkpoint.save_freq=2", "checkpoint.save_on_sigterm=true", "train.loss=nft",
+            "train.num_inner_epochs=2", *SHORT, *NO_JUDGE)
+    reference = run_trainer(tmp_path / "reference", *sets)
+    assert reference.returncode == 0, tail(reference)
+
+    run_dir = tmp_path / "preempted"
+    launcher = _start(run_dir, *sets)
+    err_text, signalled = [], threading.Event()
+    progress = re.compile(r"epoch 1 train:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+
+    def watch():  # tqdm redraws with \r: read characters, signal the ranks past 60% of epoch 1's training
+        buf = ""
+        while ch := launcher.stderr.read(1):
+            err_text.append(ch)
+            buf = (buf + ch)[-200:]
+            m = progress.search(buf)
+            if m and not signalled.is_set() and int(m.group(1)) > 0.6 * int(m.group(2)):
+                for r in [p for p in _descendants(launcher.pid) if any(a.startswith("--local_rank=") for a in p.cmdline())]:
+                    r.send_signal(signal.SIGTERM)
+                signalled.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    try:
+        launcher.wait(timeout=600)
+        reader.join(10)
+    finally:
+        _cleanup(launcher, [])
+    err = "".join(err_text)
+    assert signalled.is_set(), err[-3000:]
+    assert launcher.returncode == 75, err[-3000:]
+    saved = _latest(run_dir)
+    assert saved.startswith("epoch_0001_step_"), saved  # mid-epoch: the rollouts and the steps done are kept
+    verify(run_dir / "checkpoints" / saved)
+
+    resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
+    assert resumed.returncode == 0, tail(resumed)
+    assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))

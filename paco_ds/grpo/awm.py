@@ -210,6 +210,19 @@ class AWM(Loss):
             out["train/awm_anchor_decay"] = float(self.decay)
         return out
 
+    def epoch_state(self):
+        # the visit counts seed the noise; the old policy is the weights that sampled this epoch,
+        # which begin_epoch cannot take again once an optimizer step has moved them
+        return {**super().epoch_state(), "visits": dict(self.visits),
+                "old": [s.cpu() for s in self.old.shadow] if self.old is not None else None}
+
+    def load_epoch_state(self, state):
+        super().load_epoch_state(state)
+        self.visits = dict(state.get("visits", {}))
+        if self.old is not None and state.get("old") is not None:
+            for s, x in zip(self.old.shadow, state["old"]):
+                s.copy_(x)
+
     def state_dict(self):
         return {"anchor": [s.cpu() for s in self.anchor.shadow]} if self.anchor is not None else {}
 

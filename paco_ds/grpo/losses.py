@@ -96,6 +96,14 @@ class Loss:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def epoch_state(self) -> dict:
+        """What the loss has counted so far in this epoch, for a mid-epoch checkpoint: resumed after
+        `begin_epoch`, the rest of the epoch computes what it would have without the stop."""
+        return {"sde_logprob_rows": self.sde_logprob_rows}
+
+    def load_epoch_state(self, state: dict) -> None:
+        self.sde_logprob_rows = state.get("sde_logprob_rows", 0)
+
 
 # ------------------------------------------------------------------------------------ GRPO-Guard
 def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, mean_old: torch.Tensor,
@@ -282,6 +290,13 @@ class NFT(Loss):
         out = super().epoch_metrics(out)
         out["train/nft_old_decay"] = float(getattr(self, "decay", 0.0))
         return out
+
+    def epoch_state(self):
+        return {**super().epoch_state(), "visits": dict(self.visits)}  # a visit's noise depends on those before it
+
+    def load_epoch_state(self, state):
+        super().load_epoch_state(state)
+        self.visits = dict(state.get("visits", {}))
 
     def state_dict(self):
         return {"old": [s.cpu() for s in self.old.shadow]}

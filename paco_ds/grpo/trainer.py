@@ -376,6 +376,7 @@ class GRPOTrainer:
             stats, first_ratio, self.forwards, done = (partial["stats"], partial["first_ratio"], partial["forwards"],
                                                        partial["done"])
             self._restore_accumulation(partial)
+            self.loss.load_epoch_state(partial.get("loss_epoch", {}))
         total = cfg.train.num_inner_epochs * n_micro * len(timesteps)
         bar = tqdm(total=total, initial=done, desc=f"epoch {self.epoch} train", disable=not self.dist.is_main,
                    leave=False)
@@ -461,7 +462,7 @@ class GRPOTrainer:
                 path = self.ckpt.save(self.engine, path.name, self.state(), self._meta(), rng=self._start_rng)
         else:
             partial = {"samples": samples.trajectories, "metrics": metrics or {}, "forwards": self.forwards,
-                       **progress, **self._accumulation()}
+                       "loss_epoch": self.loss.epoch_state(), **progress, **self._accumulation()}
             tag = f"epoch_{self.epoch:04d}_step_{progress['done']:06d}"
             path = self.ckpt.save(self.engine, tag, {**self.state(), "partial": partial},
                                   {**self._meta(), "micro_steps_done": progress["done"]})
