@@ -271,33 +271,72 @@ def _port_taken(url: str) -> bool:
     return False
 
 
-def _stop_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def _group_alive(leader: int) -> bool:
+    """Whether any process of the group `leader` leads still runs (zombies do not: a dead launcher's
+    orphans are reaped by whoever adopted them, when it gets to it)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == leader and fields[0] != "Z":
+                return True
+    return False
+
+
+def _stop_group(leader: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group a local helper leads (pdsh exits before its ssh child may), then
     SIGKILL what is left after `timeout`. Its direct children are signalled too, in case pdsh gave
-    its ssh a group of its own."""
+    its ssh a group of its own. `proc`: the helper, when this process started it (to reap it)."""
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == leader:
                 children.append(int(stat.parent.name))
     for pid in children:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(leader, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
+        if proc is not None:
+            proc.poll()
+        if not _group_alive(leader):
             break
-        proc.poll()
         time.sleep(0.1)
     else:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+            os.killpg(leader, signal.SIGKILL)
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+
+def _stop_trainers(leader: int, proc: subprocess.Popen | None = None) -> None:
+    """SIGINT to the deepspeed launcher's group (it forwards it and kills pdsh), SIGKILL after 20 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGINT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return
+        if not _group_alive(leader):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGKILL)
+    if proc is not None:
+        proc.wait()
+
+
+def _stop_remote_judge(host: str, pid: int, ssh_port: int | None) -> str | None:
+    """SIGTERM a judge by pid over ssh, SIGKILL after 10 s; what went wrong, or None."""
+    cmd = (f"kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do kill -0 {pid} 2>/dev/null || exit 0; "
+           f"sleep 0.2; done; kill -KILL {pid} 2>/dev/null; exit 0")
+    r = subprocess.run(remote_argv(host, cmd, ssh_port), capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        return f"host '{host}': could not stop judge pid {pid}: {(r.stderr or r.stdout).strip()[-200:]}"
+    return None
 
 
 def _tail(path: Path, n: int = 6) -> str:
@@ -329,6 +368,7 @@ class Cluster:
             rj.proc = subprocess.Popen(remote_argv(rj.judge.host, cmd, self.cfg.ssh_port), stdout=fh,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         rj.pid = None
+        self.record()
 
     def _headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
@@ -401,6 +441,7 @@ class Cluster:
         self.log(f"[cluster] {shlex.join(argv)}")
         self.trainer = subprocess.Popen(argv, env=launch_env, start_new_session=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
+        self.record()
         failed: list[tuple[str, int, float]] = []
 
         def pump() -> None:
@@ -433,14 +474,7 @@ class Cluster:
         pid over ssh, then their ssh sessions. Returns what could not be confirmed stopped."""
         problems = []
         if self.trainer is not None and self.trainer.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.trainer.pid, signal.SIGINT)  # the launcher forwards it and kills pdsh
-            try:
-                self.trainer.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.trainer.pid, signal.SIGKILL)
-                self.trainer.wait()
+            _stop_trainers(self.trainer.pid, self.trainer)
         stats = {}
         for rj in self.judges:  # what each judge served, for the record (cluster/judges.json)
             with contextlib.suppress(httpx.HTTPError, ValueError):
@@ -453,19 +487,66 @@ class Cluster:
             (self.dir / "judges.json").write_text(json.dumps(stats, indent=2))
         for rj in self.judges:
             rj.pid = rj.pid or _remote_pid(rj.log)
-            if rj.pid is not None:
-                cmd = (f"kill -TERM {rj.pid} 2>/dev/null; for i in $(seq 50); do kill -0 {rj.pid} 2>/dev/null || exit 0; "
-                       f"sleep 0.2; done; kill -KILL {rj.pid} 2>/dev/null; exit 0")
-                r = subprocess.run(remote_argv(rj.judge.host, cmd, self.cfg.ssh_port), capture_output=True,
-                                   text=True, timeout=60, stdin=subprocess.DEVNULL)
-                if r.returncode != 0:
-                    problems.append(f"host '{rj.judge.host}': could not stop judge pid {rj.pid}: "
-                                    f"{(r.stderr or r.stdout).strip()[-200:]}")
+            if rj.pid is not None and (problem := _stop_remote_judge(rj.judge.host, rj.pid, self.cfg.ssh_port)):
+                problems.append(problem)
             if rj.proc is not None:  # its transport (pdsh and its ssh child share a process group)
-                _stop_group(rj.proc)
+                _stop_group(rj.proc.pid, proc=rj.proc)
         if self.trainer is not None:
-            _stop_group(self.trainer)
+            _stop_group(self.trainer.pid, proc=self.trainer)
+        self.processes_file.unlink(missing_ok=True)  # all stopped: the guard has nothing left to do
         return problems
+
+    # a guard for the launcher's own death -------------------------------------------------------
+    @property
+    def processes_file(self) -> Path:
+        return self.dir / "processes.json"
+
+    def record(self) -> None:
+        """What `close()` would stop, for the guard (`reap`): written whenever it changes."""
+        import json
+
+        state = {"ssh_port": self.cfg.ssh_port, "trainers": self.trainer.pid if self.trainer else None,
+                 "judges": [{"host": rj.judge.host, "log": str(rj.log), "transport": rj.proc.pid}
+                            for rj in self.judges if rj.proc is not None]}
+        tmp = self.processes_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.processes_file)
+
+    def start_guard(self) -> subprocess.Popen:
+        """A child that outlives this launcher only to stop what it started: SIGKILL (or an OOM
+        kill) gives the launcher no chance to clean up, and the judges, the deepspeed runner and
+        their ssh sessions run in sessions of their own. It exits once `close()` is done."""
+        self.record()
+        return subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(self.processes_file),
+                                 str(os.getpid())], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                start_new_session=True)  # a SIGKILL to the launcher's group spares it
+
+
+def reap(processes_file: Path, launcher: int, poll: float = 0.5) -> int:
+    """The guard's loop: while the launcher lives (it is our parent) and has not cleaned up, wait;
+    if it dies first, stop the trainers, then each judge by pid over ssh, then their transports."""
+    import json
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a signal to the launcher's group is the
+        signal.signal(sig, signal.SIG_IGN)                      # launcher's to handle; we follow its death
+    while os.getppid() == launcher and processes_file.exists():
+        time.sleep(poll)
+    if not processes_file.exists():
+        return 0
+    state = json.loads(processes_file.read_text())
+    print(f"[cluster] launcher (pid {launcher}) died without cleaning up: stopping everything it started",
+          file=sys.stderr, flush=True)
+    if state["trainers"]:
+        _stop_trainers(state["trainers"])
+    for j in state["judges"]:
+        if (pid := _remote_pid(Path(j["log"]))) is not None and (problem := _stop_remote_judge(j["host"], pid, state["ssh_port"])):
+            print(f"[cluster] cleanup: {problem}", file=sys.stderr, flush=True)
+        _stop_group(j["transport"])
+    if state["trainers"]:
+        _stop_group(state["trainers"])
+    processes_file.unlink(missing_ok=True)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -551,6 +632,7 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     failure: str | None = None
     t0 = time.monotonic()
+    guard = c.start_guard()
     try:
         c.start_judges()
         code = c.run_trainers(argv, env)
@@ -563,6 +645,8 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
     finally:
         problems = c.close()
         signal.signal(signal.SIGTERM, previous)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(10)  # it sees close() done and exits
     for pr in problems:
         log(f"[cluster] cleanup: {pr}")
     if failure:
@@ -575,3 +659,9 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+if __name__ == "__main__":  # the guard: python -m paco_ds.cluster --reap PROCESSES_FILE LAUNCHER_PID
+    if len(sys.argv) != 4 or sys.argv[1] != "--reap":
+        raise SystemExit("usage: python -m paco_ds.cluster --reap PROCESSES_FILE LAUNCHER_PID (launch/cluster.py runs it)")
+    raise SystemExit(reap(Path(sys.argv[2]), int(sys.argv[3])))

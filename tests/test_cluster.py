@@ -1,7 +1,11 @@
 """launch/cluster.py without a cluster: hostfile parsing, judge placement and --dry-run.
 The real two-node runs are in tests/cluster/ (make test-cluster)."""
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -138,3 +142,60 @@ def test_a_run_without_a_token_makes_its_own_and_the_plan_hides_it(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PACO_REWARD_API_KEY=<token>" in r.stdout and "s3cret-given-token" not in r.stdout
     assert r.stdout.count("PACO_REWARD_API_KEY=<token>") == 3  # two judges' lines and the ranks' env file
+
+
+GUARDED_LAUNCHER = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+state = Path(sys.argv[1])
+trainers = subprocess.Popen(["sleep", "600"], start_new_session=True)
+transport = subprocess.Popen(["sleep", "600"], start_new_session=True)
+state.write_text(json.dumps({"ssh_port": None, "trainers": trainers.pid,
+                             "judges": [{"host": "node-0", "log": str(state.parent / "no-pid-yet.log"),
+                                         "transport": transport.pid}]}))
+guard = subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), str(os.getpid())],
+                         start_new_session=True)
+print(trainers.pid, transport.pid, guard.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_guard_stops_what_a_killed_launcher_started(tmp_path):
+    """SIGKILL leaves the launcher no time to clean up, and what it started runs in sessions of its
+    own: the guard it leaves behind stops them (launch/cluster.py starts one per run)."""
+    state = tmp_path / "processes.json"
+    launcher = subprocess.Popen([sys.executable, "-c", GUARDED_LAUNCHER, str(state)], cwd=REPO, env=cpu_env(),
+                                stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    *started, guard = pids
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    assert all(alive(p) for p in pids)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in started), "the guard left the launcher's processes running"
+    assert not state.exists()  # its work done, it leaves nothing to redo
+    while alive(guard) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(guard)
+    for p in started + [guard]:  # tidy: nothing here reaps the orphans' zombies but init
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_the_guard_leaves_when_the_launcher_cleaned_up(tmp_path):
+    state = tmp_path / "processes.json"
+    state.write_text('{"ssh_port": null, "trainers": null, "judges": []}')
+    guard = subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), str(os.getpid())],
+                             cwd=REPO, env=cpu_env(), stderr=subprocess.PIPE, text=True)
+    state.unlink()  # what close() does when everything is stopped
+    assert guard.wait(timeout=60) == 0
+    assert "died without cleaning up" not in guard.stderr.read()

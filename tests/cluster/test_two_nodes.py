@@ -187,3 +187,20 @@ def test_a_dying_judge_is_restarted_once(tmp_path):
           "after the kill")
     assert [r["epoch"] for r in metrics(tmp_path / "judge") if "reward/consistency_score/mean" in r][-1] == 2
     assert_nothing_left()
+
+
+def test_sigkill_of_the_launcher_stops_every_host(tmp_path):
+    """SIGKILL gives launch/cluster.py no time to clean up, and the judges, the deepspeed runner
+    and their ssh sessions run in sessions of their own: the guard it started stops them all."""
+    proc = launch(tmp_path, "orphan", "train.num_epochs=50", "checkpoint.save_freq=1", "test.eval_freq=0")
+    wait_for(tmp_path / "orphan" / "checkpoints" / "epoch_0001", proc)
+    assert node_pids("pc-node1"), "no rank on node 1"
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as the OOM killer would
+    proc.wait()
+    t_kill = time.monotonic()
+    deadline = t_kill + 30
+    while any(node_pids(n) for n in NODES) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"SIGKILL of launch/cluster.py -> nothing left on either node after {time.monotonic() - t_kill:.1f}s")
+    assert {n: node_pids(n) for n in NODES} == {n: {} for n in NODES}
+    assert "died without cleaning up: stopping everything it started" in (tmp_path / "orphan.log").read_text()
