@@ -206,14 +206,14 @@ def test_a_run_directory_deleted_mid_run_is_one_line(tmp_path):
 
 
 def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
-    """A SIGTERM while epoch 1 trains, in its second inner epoch (DiffusionNFT, whose noise
+    """A SIGTERM while epoch 0 trains, in its second inner epoch (DiffusionNFT, whose noise
     depends on how often each sample and step was visited this epoch): the checkpoint keeps the
     epoch's rollouts, the micro-steps done, the gradients accumulated and the loss's own state;
     --resume latest ends with the uninterrupted run's metrics exactly."""
     import re
     import threading
 
-    sets = ("train.num_epochs=2", "checkpoint.save_freq=2", "checkpoint.save_on_sigterm=true", "train.loss=nft",
+    sets = ("train.num_epochs=1", "checkpoint.save_freq=1", "checkpoint.save_on_sigterm=true", "train.loss=nft",
             "train.num_inner_epochs=2", *SHORT, *NO_JUDGE)
     reference = run_trainer(tmp_path / "reference", *sets)
     assert reference.returncode == 0, tail(reference)
@@ -221,9 +221,9 @@ def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
     run_dir = tmp_path / "preempted"
     launcher = _start(run_dir, *sets)
     err_text, signalled = [], threading.Event()
-    progress = re.compile(r"epoch 1 train:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+    progress = re.compile(r"epoch 0 train:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
-    def watch():  # tqdm redraws with \r: read characters, signal the ranks past 60% of epoch 1's training
+    def watch():  # tqdm redraws with \r: read characters, signal the ranks past 60% of epoch 0's training
         buf = ""
         while ch := launcher.stderr.read(1):
             err_text.append(ch)
@@ -245,7 +245,7 @@ def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
     assert signalled.is_set(), err[-3000:]
     assert launcher.returncode == 75, err[-3000:]
     saved = _latest(run_dir)
-    assert saved.startswith("epoch_0001_step_"), saved  # mid-epoch: the rollouts and the steps done are kept
+    assert saved.startswith("epoch_0000_step_"), saved  # mid-epoch: the rollouts and the steps done are kept
     verify(run_dir / "checkpoints" / saved)
 
     resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
