@@ -219,10 +219,8 @@ def epoch_paco(ctx, rep: int) -> dict:
             traj = sample_trajectories(policy, module, prompts, policy.encode_prompts(prompts), ctx["h"], ctx["w"],
                                        num_steps=args.steps, guidance=GUIDANCE, noise_level=NOISE_LEVEL,
                                        noise_steps=NOISE_STEPS, train_steps=NOISE_STEPS, generators=noise_gens,
-                                       initial_latents=x0, sde_fn=sde)
-            traj.metadata = [{} for _ in picks]
-            traj.group_ids = [g for _, g, _ in picks]
-            traj.positions = [pos for _, _, pos in picks]
+                                       initial_latents=x0, sde_fn=sde, group_ids=[g for _, g, _ in picks],
+                                       positions=[pos for _, _, pos in picks])
             runner.submit(traj.images, traj.prompts, traj.metadata)
             trajs.append(traj)
     t1 = clock.now()

@@ -81,3 +81,41 @@ def test_layers():
     assert not {d for d in graph["paco_ds.images"] if d.startswith("paco_ds")}
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps
                 if d.startswith("paco_ds.sampling")}
+
+
+
+def _trainer_private_names() -> set[str]:
+    """The private methods and attributes GRPOTrainer defines (def _x, self._x = ...)."""
+    tree = ast.parse((REPO / "paco_ds/grpo/trainer.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+              and n.value.id == "self" and n.attr.startswith("_") and isinstance(n.ctx, ast.Store)}
+    return {n for n in names if not n.startswith("__")}
+
+
+def _reaches_into_the_trainer(source: str, private: set[str]) -> list[str]:
+    """`x._name` where x is a trainer (`trainer`, `self.trainer`), or `_name` is one of the
+    trainer's private names on anything but a class's own `self`/`cls`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+        if owner in ("self", "cls"):
+            continue
+        if owner in ("trainer", "_trainer") or node.attr in private:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_trainer_reaches_into_its_private_parts():
+    private = _trainer_private_names()
+    assert {"_micro_step", "_check_preemption", "_partial"} <= private  # the scan sees the trainer's names
+    files = [p for d in ("paco_ds", "launch", "benchmarks", "kernels", "tests") for p in sorted((REPO / d).rglob("*.py"))
+             if p != REPO / "paco_ds/grpo/trainer.py"]
+    found = [f"{p.relative_to(REPO)}:{hit}" for p in files for hit in _reaches_into_the_trainer(p.read_text(), private)]
+    assert not found, "\n".join(found)
+    # what it looks for: a trainer's private method, by name or through any object
+    assert _reaches_into_the_trainer("trainer._by_size(p, 64)\nt.x._micro_step(b)\nself._micro_step(b)", private) \
+        == ["1: trainer._by_size", "2: t.x._micro_step"]

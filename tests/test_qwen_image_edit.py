@@ -137,7 +137,6 @@ def test_training_log_prob_equals_the_sampled_one(policy):
         for i in range(2):  # batch size 1, as training runs by default
             one = transition_log_prob(policy, policy.transformer, traj, 0, [i], guidance=1.0, noise_level=0.7)
             assert torch.allclose(one.log_prob.float(), traj.log_prob[[i], 0], rtol=0, atol=1e-5)
-        traj.metadata, traj.positions, traj.group_ids = [{}, {}], [0, 1], [0, 1]
         batch = gather_samples([(traj, 1), (traj, 0)])
         again = transition_log_prob(policy, policy.transformer, batch, 0, slice(None), guidance=1.0, noise_level=0.7)
     assert torch.allclose(again.log_prob.float(), traj.log_prob[[1, 0], 0], rtol=0, atol=1e-5)

@@ -1,12 +1,15 @@
 """The seams editing policies and new losses plug into: a Condition travels from the rollout to
-every training forward and to the rewards, and advantages travel on the Trajectory."""
+every training forward and to the rewards, and advantages travel on the training batch."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from paco_ds.models.base import Condition
 from paco_ds.rewards.base import Reward, RewardResult
-from paco_ds.sampling.rollout import gather_samples, make_generator, sample_trajectories, transition_log_prob
+from paco_ds.sampling.rollout import (gather_samples, make_generator, sample_trajectories, training_batch,
+                                     transition_log_prob)
 
 
 class _ConditionedPolicy:
@@ -49,16 +52,14 @@ def test_condition_reaches_every_forward_and_the_trained_batch(tiny_policy):
                                    noise_level=0.7)
     torch.testing.assert_close(step.log_prob.float(), traj.log_prob[:, 0], rtol=0, atol=1e-4)
     # A training batch assembled from single samples keeps each one's condition and advantage.
-    traj.advantages, traj.keep = torch.tensor([0.5, -1.5]), torch.tensor([True, False])
-    traj.metadata, traj.positions, traj.group_ids = [{}, {}], [0, 1], [0, 0]
-    batch = gather_samples([(traj, 1), (traj, 0)])
+    batch = training_batch([(traj, 1), (traj, 0)], torch.tensor([-1.5, 0.5]), torch.tensor([False, True]))
     assert [im.shape[1:] for im in batch.condition.images] == [(40, 20), (32, 48)]  # originals, own sizes
     assert [int(im[0, 0, 0]) for im in batch.condition.images] == [200, 10]
     assert batch.advantages.tolist() == [-1.5, 0.5] and batch.keep.tolist() == [False, True]
     assert torch.equal(batch.x_final[0], traj.x_final[1])
     # Without the condition the velocity differs: the condition is not decorative.
-    wrong = gather_samples([(traj, 0), (traj, 0)])
-    wrong.condition = Condition(images=cond.images, latents=cond.latents[[1, 1]])  # sample 1's condition
+    wrong = replace(gather_samples([(traj, 0), (traj, 0)]),
+                    condition=Condition(images=cond.images, latents=cond.latents[[1, 1]]))  # sample 1's condition
     with torch.no_grad():
         other = transition_log_prob(policy, tiny_policy.transformer, wrong, 0, slice(None), guidance=3.5,
                                     noise_level=0.7)

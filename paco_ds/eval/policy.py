@@ -1,6 +1,7 @@
 """`launch/evaluate.py policy`: base against a trained LoRA on the recipe's test prompts, through
 the in-training evaluation (`evaluate_test_prompts` in paco_ds/grpo/evaluation.py), so an image
-and its scores are the ones training logged for the same prompt and seed.
+and its scores are the ones training logged for the same prompt and seed. It builds the policy,
+its rollouts and the test rewards only: no trainer, engine or optimizer.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ log = logging.getLogger(__name__)
 def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None, out: str | None = None,
                     base: bool = True) -> dict | None:
     """Base and trained on the recipe's test prompts; a table on stdout and files in `out`."""
-    from paco_ds.distributed import setup_distributed, shutdown_distributed
+    from paco_ds.checkpoint import CheckpointManager
+    from paco_ds.distributed import barrier, setup_distributed, shutdown_distributed
     from paco_ds.errors import ConfigError
-    from paco_ds.grpo.trainer import GRPOTrainer
     from paco_ds.serving.manager import started_for_run
 
     if not cfg.data.test_file:
@@ -30,27 +31,67 @@ def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None,
         p = Path(lora)
         if not (p / "pytorch_lora_weights.safetensors").is_file() and not p.is_file():
             raise ConfigError(f"--lora {lora}: no pytorch_lora_weights.safetensors there")
-        cfg.model.lora.path = str(p)  # add_lora loads it, with its stored rank and alpha
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist = setup_distributed()
     out_dir = Path(out) if out else cfg.run_dir / "eval"
+    if checkpoint:  # its adapter (the EMA when the recipe keeps one), read from the checkpoint's files
+        from paco_ds.grpo.export import export_from_checkpoint
+
+        ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
+        path = ckpt.resolve(checkpoint, "--checkpoint")
+        lora = str(out_dir / f"lora_{path.name}")
+        if dist.is_main:
+            export_from_checkpoint(cfg, path, Path(lora))
+        barrier()
+    if lora is not None:
+        cfg.model.lora.path = str(lora)  # add_lora loads it, with its stored rank and alpha
     result = None
     with started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank):
-        trainer = GRPOTrainer(cfg, dist)
+        policy, rollouts, items, rewards = _build(cfg, dist)
         try:
-            if checkpoint:
-                trainer.load(trainer.ckpt.resolve(checkpoint))
             columns = []
             if base:
-                columns.append(("base", *evaluate_test_prompts(trainer, adapter=False)))
-            if lora or checkpoint:
-                columns.append(("trained", *evaluate_test_prompts(trainer, adapter=True)))
+                columns.append(("base", *evaluate_test_prompts(cfg, dist, rollouts, items, rewards, adapter=False)))
+            if lora:
+                columns.append(("trained", *evaluate_test_prompts(cfg, dist, rollouts, items, rewards)))
             if dist.is_main:
-                result = _report(cfg, columns, out_dir, lora or checkpoint)
+                result = _report(cfg, columns, out_dir, lora if checkpoint is None else checkpoint)
         finally:
-            trainer.close()
+            rewards.close()
     shutdown_distributed()
     return result
+
+
+def _build(cfg, dist):
+    """What the evaluation needs and nothing more: the policy with the LoRA (no engine, optimizer,
+    loss or train rewards), its rollouts, the test prompts and the test reward set. Seeded as
+    the trainer is, so a fresh LoRA starts from the same weights."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from paco_ds.data import load_prompts
+    from paco_ds.grpo.rollouts import Rollouts
+    from paco_ds.models import build_policy
+    from paco_ds.models.lora import add_lora
+    from paco_ds.rewards.runner import RewardRunner
+    from paco_ds.serving.manager import endpoints_for_run
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    items = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file")
+    if cfg.data.max_test_prompts:
+        items = items[:cfg.data.max_test_prompts]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
+    policy = build_policy(cfg.model, dist.device)  # whole on each rank: inference holds no optimizer state
+    add_lora(policy.transformer, cfg.model.lora)
+    policy.transformer.requires_grad_(False).to(policy.dtype)  # the adapter in the model's dtype, as the engine holds it
+    rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else "rewards.train.terms",
+                           batches_in_flight=cfg.rewards.batches_in_flight, device=str(dist.device),
+                           run_dir=cfg.run_dir, reward_endpoints=endpoints_for_run(cfg.reward_servers, cfg.run_dir))
+    return policy, Rollouts(cfg, policy), items, rewards
 
 
 def _report(cfg, columns: list, out_dir: Path, source) -> dict:

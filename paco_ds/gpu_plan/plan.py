@@ -2,7 +2,7 @@
 
 `gpu_plan(cfg, world_size, gpu_gib)` builds the recipe's full-size models (models.py) as fake CUDA
 tensors (fake.py), with the recipe's dtype, LoRA and gradient checkpointing, and runs the trainer's
-own code on them with device "cuda": one rollout batch (`GRPOTrainer._rollout`: the prompt and
+own code on them with device "cuda": one rollout batch (`Rollouts.sample`: the prompt and
 condition encoding, ODE steps and the SDE step with its log-prob, the decode), the local reward
 models on that batch, and one trained micro-step (the recipe's loss, then backward). Any host/device
 mix or dtype mismatch on that path raises there, as on a GPU.
@@ -147,10 +147,10 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
     from paco_ds.grpo.losses import build_loss
     from paco_ds.grpo.plan import derive
-    from paco_ds.grpo.trainer import GRPOTrainer
+    from paco_ds.grpo.rollouts import Rollouts
     from paco_ds.models import policy_class
     from paco_ds.models.lora import add_lora
-    from paco_ds.sampling.rollout import gather_samples
+    from paco_ds.sampling.rollout import training_batch
 
     t0 = time.perf_counter()
     if cfg.model.tiny:
@@ -187,15 +187,14 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     policy = policy_class(family)(transformer=transformer, device=device, dtype=dtype, **parts)
     encoders = [m for m in (getattr(policy, "text_encoder", None), getattr(policy, "text_encoder_2", None)) if m]
 
-    trainer = object.__new__(GRPOTrainer)  # the trainer's own rollout code, without an engine
-    trainer.cfg, trainer.policy, trainer.epoch = run_cfg, policy, 0
-    trainer.plan = derive(run_cfg, world_size)
-    trainer.loss = build_loss(run_cfg, policy)
-    trainer.sde = trainer.loss.sde
+    loss = build_loss(run_cfg, policy)
     if inject is not None:
-        trainer.sde = trainer.loss.sde = inject("sde_step", trainer.loss.sde)
-        if hasattr(trainer.loss, "log_prob"):
-            trainer.loss.log_prob.keywords["sde_fn"] = trainer.sde
+        loss.sde = inject("sde_step", loss.sde)
+        if hasattr(loss, "log_prob"):
+            loss.log_prob.keywords["sde_fn"] = loss.sde
+    # the trainer's own rollout code, without an engine
+    rollouts = Rollouts(run_cfg, policy, loss.sde, train_timesteps=derive(run_cfg, world_size).train_timesteps,
+                        needs=loss.needs)
 
     counter = _Counter(mode)
     for name in ("encode_prompts", "encode_condition", "velocity", "decode"):
@@ -205,7 +204,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
 
     items = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
     picks = [(it, i, i) for i, it in enumerate(items)]
-    groups = trainer._by_size(picks, cfg.train.resolution)
+    groups = rollouts.by_size(picks, cfg.train.resolution)
     (h, w), group = max(groups, key=lambda g: g[0][0] * g[0][1])  # the largest images of the data
     bs = cfg.sample.batch_size
     batch_picks = [(group[j % len(group)][0], group[j % len(group)][1], j) for j in range(bs)]
@@ -218,7 +217,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
             # ---------------------------------------------------------------- sampling
             transformer.eval()
             with mode.measure(SAMPLING) as sampling:
-                traj = trainer._rollout(transformer, batch_picks, h, w)
+                traj = rollouts.sample(transformer, batch_picks, h, w, epoch=0)
             live_sampling = dict(mode.live)
             _park_text_encoders(mode, policy)  # what the trainer does once the epoch is sampled
             # ---------------------------------------------------------------- scoring
@@ -233,14 +232,13 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
             move_fake(mode, transformer, mode.device)
             lora = [p for p in transformer.parameters() if p.requires_grad]
             transformer.train()
-            batch = gather_samples([(traj, i) for i in range(min(cfg.train.batch_size, len(traj)))])
-            batch.advantages = torch.ones(len(batch))
-            batch.keep = torch.ones(len(batch), dtype=torch.bool)
+            n = min(cfg.train.batch_size, len(traj))
+            batch = training_batch([(traj, i) for i in range(n)], torch.ones(n), torch.ones(n, dtype=torch.bool))
             for p in lora:
                 p.register_post_accumulate_grad_hook(lambda p: mode.retag(p.grad, "full grads"))
             step = counter.wrap("micro_step", _micro_step)
             with mode.measure(TRAINING) as training:
-                step(trainer, transformer, batch)
+                step(loss, transformer, batch)
     except RuntimeError as err:
         if "FakeTensorDeviceMismatch" in type(err).__name__ or "found at least two devices" in str(err) \
                 or "same device" in str(err):
@@ -339,9 +337,9 @@ def _park_text_encoders(mode, policy) -> None:
         move_fake(mode, m, torch.device("cpu"))
 
 
-def _micro_step(trainer, module, batch) -> None:
+def _micro_step(loss_fn, module, batch) -> None:
     """One trained micro-step as the trainer runs it (its loss, backward), first trained step."""
-    loss, _ = trainer.loss(module, batch, 0)
+    loss, _ = loss_fn(module, batch, 0)
     loss.backward()
 
 

@@ -14,46 +14,45 @@ import time
 
 import numpy as np
 
-from paco_ds.distributed import all_gather_object
+from paco_ds.config import Config
+from paco_ds.data import PromptItem
+from paco_ds.distributed import DistInfo, all_gather_object
+from paco_ds.grpo.rollouts import Rollouts
 from paco_ds.images import make_grid, to_pil
-from paco_ds.sampling.rollout import make_generator, sample_trajectories
+from paco_ds.rewards.runner import RewardRunner
 
 
-def evaluate_test_prompts(trainer, adapter: bool = True) -> tuple[dict, list]:
-    """(metrics, shown): eval/<reward>/mean|std over the test prompts, and the first
-    `test.num_images` images as (prompt index, [reference] or [], image), on every rank.
+def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items: list[PromptItem],
+                          rewards: RewardRunner, weights: contextlib.AbstractContextManager | None = None,
+                          adapter: bool = True) -> tuple[dict, list]:
+    """(metrics, shown): eval/<reward>/mean|std over the test prompts `items`, scored with the test
+    reward set `rewards`, and the first `test.num_images` images as (prompt index, [reference] or
+    [], image), on every rank. `weights`: swaps in the weights to evaluate (the trainer's EMA).
     With `adapter=False` the LoRA is off: the base model."""
-    cfg, dist = trainer.cfg, trainer.dist
-    if not trainer.test_items:
+    if not items:
         return {}, []
     t0 = time.perf_counter()
-    mine = [(i, it) for i, it in enumerate(trainer.test_items) if i % dist.world_size == dist.rank]
+    mine = [(i, it) for i, it in enumerate(items) if i % dist.world_size == dist.rank]
     n_show = cfg.test.num_images
     scored, shown = [], []  # (prompt index, size) of each submitted sample, in submission order
-    ema = trainer.ema.swapped_in() if trainer.ema is not None and adapter else contextlib.nullcontext()
-    with ema, _adapter(trainer.policy.transformer, adapter), trainer.rollout_module() as module:
+    swapped = weights if weights is not None and adapter else contextlib.nullcontext()
+    with swapped, _adapter(rollouts.policy.transformer, adapter), rollouts.module() as module:
         for start in range(0, len(mine), cfg.test.batch_size):
             chunk = mine[start:start + cfg.test.batch_size]
-            for (h, w), picks in trainer._by_size([(it, i, i) for i, it in chunk], cfg.test.resolution):
-                prompts = [it.prompt for it, _, _ in picks]
-                gens = [make_generator(cfg.seed, "eval", i) for _, i, _ in picks]  # by prompt, not by rank
-                condition = trainer._condition([it for it, _, _ in picks], h, w)
-                embeds = trainer.policy.encode_prompts(prompts, condition)
-                traj = sample_trajectories(trainer.policy, module, prompts, embeds, h, w, num_steps=cfg.test.num_steps,
-                                           guidance=cfg.sample.guidance_scale, noise_level=0.0, noise_steps=[],
-                                           train_steps=[], generators=gens, sde_fn=trainer.sde, condition=condition)
-                refs = [to_pil(im[None])[0] for im in traj.condition.images] if traj.condition is not None else None
+            for (h, w), picks in rollouts.by_size([(it, i, i) for i, it in chunk], cfg.test.resolution):
+                traj = rollouts.sample_test(module, picks, h, w)
+                refs = rollouts.references(traj)
                 # scored while the next batch samples, as in training; collected once below
-                trainer.eval_rewards.submit(traj.images, prompts, [it.metadata for it, _, _ in picks], refs)
+                rewards.submit(traj.images, traj.prompts, traj.metadata, refs)
                 for j, (_, i, _) in enumerate(picks):
                     scored.append((i, (h, w)))
                     if i < n_show:  # an edit is shown beside its reference
                         shown.append((i, [refs[j]] if refs else [], to_pil(traj.images[j][None])[0]))
-    res = trainer.eval_rewards.collect()
+    res = rewards.collect()
     records = [(i, {n: float(r.scores[k]) for n, r in res.items()}, size) for k, (i, size) in enumerate(scored)]
     everyone = sorted((r for rs in all_gather_object(records) for r in rs), key=lambda r: r[0])
     metrics = {}
-    for name in trainer.eval_rewards.rewards:
+    for name in rewards.rewards:
         s = np.array([r[1][name] for r in everyone], dtype=np.float64)
         s = s[np.isfinite(s)]
         metrics[f"eval/{name}/mean"] = float(s.mean()) if s.size else float("nan")

@@ -151,7 +151,8 @@ class PPOClip(Loss):
             adv = batch.advantages.to(dev).float().clamp(-cfg.advantage.clip, cfg.advantage.clip) / dt
             loss, stats = kernels.ppo_clip_loss(z, torch.zeros_like(z), adv, cfg.train.clip_range, math.inf,
                                                 backend=cfg.kernels.backend)
-            label = f"guard/step{batch.steps[t]}" if cfg.sample.sde_window is None or \
+            # every sample's t-th trained step is the same step j unless windows are drawn per group
+            label = f"guard/step{int(batch.steps[0, t])}" if cfg.sample.sde_window is None or \
                 cfg.sample.sde_window.per == "epoch" else f"guard/window{t}"
             stats = dict(stats, **_moments(f"{label}/logratio_raw", step.log_prob.detach() - old),
                          **_moments(f"{label}/logratio_norm", z))

@@ -22,7 +22,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -31,25 +30,25 @@ from tqdm.auto import tqdm
 from paco_ds import stopping
 from paco_ds.checkpoint import CheckpointManager, rng_state
 from paco_ds.config import Config
-from paco_ds.data import KRepeatSampler, PromptItem, load_prompts, read_reference
+from paco_ds.data import KRepeatSampler, load_prompts
 from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true, barrier,
                                  setup_distributed, shutdown_distributed)
 from paco_ds.dtypes import resolve_dtype
-from paco_ds.engine import build_ds_config, create_engine, gathered_for_phase, load_ds_config, zero_stage
+from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
 from paco_ds.errors import TrainingDiverged
 from paco_ds.grpo.advantages import StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
+from paco_ds.grpo.rollouts import Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.models import build_policy
-from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import RewardRunner, part_scores
-from paco_ds.sampling.rollout import Trajectory, gather_samples, make_generator, sample_trajectories
-from paco_ds.sampling.window import rollout_steps, window_start
+from paco_ds.sampling.rollout import Trajectory, TrainingBatch, make_generator, training_batch
+from paco_ds.sampling.window import window_start
 from paco_ds.serving.manager import endpoints_for_run, started_for_run
 from paco_ds.storage import writing
 
@@ -69,7 +68,19 @@ def judge_latency_metrics(per_rank: list[list[float]]) -> dict[str, float]:
 
 @dataclass
 class EpochSamples:
-    trajectories: list[Trajectory] = field(default_factory=list)  # advantages are set on each one
+    """The epoch's rollout batches and, once scored, each sample's advantage and whether it trains
+    (one [B] tensor per rollout batch)."""
+    trajectories: list[Trajectory] = field(default_factory=list)
+    advantages: list[torch.Tensor] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    def batch(self, entries: list[tuple[int, int]], fillers: list[bool]) -> TrainingBatch:
+        """The training batch of these (rollout batch, sample) entries; a filler trains nothing
+        (advantage 0, not kept)."""
+        off = torch.tensor(fillers, dtype=torch.bool)
+        adv = torch.stack([self.advantages[k][i] for k, i in entries]).masked_fill(off, 0.0)
+        keep = torch.stack([self.keep[k][i] for k, i in entries]) & ~off
+        return training_batch([(self.trajectories[k], i) for k, i in entries], adv, keep)
 
 
 class GRPOTrainer:
@@ -119,7 +130,10 @@ class GRPOTrainer:
                                          **ctx)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
-        self.sde = self.loss.sde  # rollouts sample with the loss's SDE step
+        # Rollouts sample with the loss's SDE step, through the engine (or the transformer gathered once).
+        self.rollouts = Rollouts(cfg, self.policy, self.loss.sde, module=self.engine,
+                                 gather_once=zero_stage(self.ds_config) == 3 and cfg.deepspeed.rollout_gather == "once",
+                                 train_timesteps=self.plan.train_timesteps, needs=self.loss.needs)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         # cluster.colocate: the judges share the trainers' devices, awake for evaluation, sampling
         # and scoring, asleep for training (paco_ds/serving/sleep.py has the protocol).
@@ -174,7 +188,7 @@ class GRPOTrainer:
                 metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
                 metrics |= self._colocated_judges(wake=False)
             else:  # resumed from a preemption checkpoint: this epoch's rollouts and scores are in it
-                metrics, samples = dict(partial["metrics"]), EpochSamples(partial["samples"])
+                metrics, samples = dict(partial["metrics"]), partial["samples"]
                 self.policy.park_text_encoders(True)
                 self._colocated_judges(wake=False)
                 resumed = False
@@ -232,75 +246,19 @@ class GRPOTrainer:
         return {f"judge/{key}s": 1.0, f"judge/{key}_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------ 1. sample
-    @contextlib.contextmanager
-    def rollout_module(self) -> Iterator[torch.nn.Module]:
-        """The transformer for sampling. Under ZeRO-3 with rollout_gather=once the parameters are
-        gathered once for the whole phase and pinned, instead of per denoising step."""
-        module = self.policy.transformer
-        was_training = module.training
-        module.eval()
-        try:
-            if zero_stage(self.ds_config) == 3 and self.cfg.deepspeed.rollout_gather == "once":
-                with gathered_for_phase(module):
-                    yield module
-            else:
-                yield self.engine
-        finally:
-            module.train(was_training)
-
     def sample_epoch(self) -> EpochSamples:
         cfg, out = self.cfg, EpochSamples()
         batches = self.sampler.rank_batches(self.epoch)
-        with self.loss.sampling(), self.rollout_module() as module:
+        with self.loss.sampling(), self.rollouts.module() as module:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
                 picks = [(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)]
-                for (h, w), picks in self._by_size(picks, cfg.train.resolution):
-                    traj = self._rollout(module, picks, h, w)
+                for (h, w), picks in self.rollouts.by_size(picks, cfg.train.resolution):
+                    traj = self.rollouts.sample(module, picks, h, w, self.epoch)
                     # scores while we sample on; editing rewards compare against the original references
-                    self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, _references(traj))
+                    self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, self.rollouts.references(traj))
                     out.trajectories.append(traj)
                 self._check_preemption()  # every rank has the same number of rollout batches
         return out
-
-    def _rollout(self, module, picks: list[tuple[PromptItem, int, int]], h: int, w: int) -> Trajectory:
-        cfg, seed, epoch = self.cfg, self.cfg.seed, self.epoch
-        prompts = [it.prompt for it, _, _ in picks]
-        latent_keys = [(gid if cfg.sample.same_latent else f"p{pos}") for _, gid, pos in picks]
-        x0 = self.policy.initial_latents(len(picks), h, w,
-                                         [make_generator(seed, "latent", epoch, k) for k in latent_keys])
-        condition = self._condition([it for it, _, _ in picks], h, w)
-        noise_steps, train_steps = rollout_steps(cfg, epoch, [gid for _, gid, _ in picks], list(self.plan.train_timesteps))
-        traj = sample_trajectories(
-            self.policy, module, prompts, self.policy.encode_prompts(prompts, condition), h, w, condition=condition,
-            num_steps=cfg.sample.num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
-            noise_steps=noise_steps, train_steps=train_steps if self.loss.needs.log_probs else [],
-            generators=[make_generator(seed, "noise", epoch, pos) for _, _, pos in picks], initial_latents=x0,
-            sde_type=cfg.sample.sde_type, sde_fn=self.sde, keep_final=self.loss.needs.clean_latents,
-            keep_mean=self.loss.needs.mean_old)
-        traj.metadata = [it.metadata for it, _, _ in picks]
-        traj.group_ids = [gid for _, gid, _ in picks]
-        traj.positions = [pos for _, _, pos in picks]
-        return traj
-
-    def _condition(self, items: list[PromptItem], h: int, w: int) -> Condition | None:
-        """An editing batch's reference images, encoded once for the whole rollout and training."""
-        if items[0].image is None:
-            return None
-
-        return self.policy.encode_condition([read_reference(it) for it in items], h, w)
-
-    def _by_size(self, picks: list[tuple[PromptItem, int, int]], resolution: int):
-        """Split (item, group id, position) picks into runs of the same image size, keeping order.
-        An item's own height/width win; an edit's size keeps its reference's aspect ratio."""
-        groups: dict[tuple[int, int], list] = {}
-        for p in picks:
-            item = p[0]
-            if item.height or item.width or item.image is None:
-                size = item.size(resolution)
-            else:
-                size = self.policy.target_size(*read_reference(item).shape[1:], resolution)
-            groups.setdefault(size, []).append(p)
-        return list(groups.items())
 
     # ------------------------------------------------------------------------------------ 2-3. reward, advantage
     def score_epoch(self, samples: EpochSamples) -> dict:
@@ -323,10 +281,11 @@ class GRPOTrainer:
         adv = self.tracker.compute(scores, groups, valid, device=self.dist.device)  # the GRPO kernel on GPUs
         where = np.searchsorted(pos[order], local["positions"])  # my samples in the sorted global order
         start = 0
-        for t in trajs:  # each rollout batch carries its samples' advantages into training
+        samples.advantages, samples.keep = [], []
+        for t in trajs:  # each rollout batch's samples' advantages, for training
             mine = where[start:start + len(t)]
-            t.advantages = torch.as_tensor(adv.advantages[mine], dtype=torch.float32)
-            t.keep = torch.as_tensor(adv.keep[mine], dtype=torch.bool)
+            samples.advantages.append(torch.as_tensor(adv.advantages[mine], dtype=torch.float32))
+            samples.keep.append(torch.as_tensor(adv.keep[mine], dtype=torch.bool))
             start += len(t)
 
         metrics = {f"adv/{k}": v for k, v in adv.stats.items()}
@@ -357,8 +316,8 @@ class GRPOTrainer:
         """`metrics`: the epoch's so far, kept in a preemption checkpoint; `partial`: such a
         checkpoint's training state, to continue after its last micro-step."""
         cfg = self.cfg
-        entries = [(t, i) for t in samples.trajectories for i in range(len(t))]
-        kept = [(t, i) for t, i in entries if t.keep[i]]
+        entries = [(k, i) for k, t in enumerate(samples.trajectories) for i in range(len(t))]
+        kept = [(k, i) for k, i in entries if samples.keep[k][i]]
         # ZeRO-3 runs collectives in every forward/backward: all ranks must do the same number of
         # micro-steps. Ranks with fewer kept samples pad with zero-advantage steps (no gradient).
         bs, steps_per_epoch = cfg.train.batch_size, cfg.train.optimizer_steps_per_epoch
@@ -394,9 +353,8 @@ class GRPOTrainer:
                     flat += len(timesteps)
                     continue
                 chunk = padded[m * bs:(m + 1) * bs]
-                batch = gather_samples([e if e is not None else pool[j % len(pool)] for j, e in enumerate(chunk)])
-                batch.advantages[[j for j, e in enumerate(chunk) if e is None]] = 0.0  # fillers: no gradient
-                batch.keep[[j for j, e in enumerate(chunk) if e is None]] = False
+                batch = samples.batch([e if e is not None else pool[j % len(pool)] for j, e in enumerate(chunk)],
+                                      fillers=[e is None for e in chunk])
                 for t in timesteps:
                     flat += 1
                     if flat <= done:
@@ -424,7 +382,7 @@ class GRPOTrainer:
             out["sample/sde_window_start"] = float(window_start(cfg, self.epoch))
         return self.loss.epoch_metrics(out)
 
-    def _micro_step(self, batch: Trajectory, t: int, boundary: bool, scale: int) -> dict:
+    def _micro_step(self, batch: TrainingBatch, t: int, boundary: bool, scale: int) -> dict:
         loss, stats = self.loss(self.engine, batch, t)
         skip = any_true(not bool(torch.isfinite(loss)))
         self.engine.set_gradient_accumulation_boundary(boundary)
@@ -461,7 +419,7 @@ class GRPOTrainer:
             if not self._start_saved:
                 path = self.ckpt.save(self.engine, path.name, self.state(), self._meta(), rng=self._start_rng)
         else:
-            partial = {"samples": samples.trajectories, "metrics": metrics or {}, "forwards": self.forwards,
+            partial = {"samples": samples, "metrics": metrics or {}, "forwards": self.forwards,
                        "loss_epoch": self.loss.epoch_state(), **progress, **self._accumulation()}
             tag = f"epoch_{self.epoch:04d}_step_{progress['done']:06d}"
             path = self.ckpt.save(self.engine, tag, {**self.state(), "partial": partial},
@@ -508,7 +466,8 @@ class GRPOTrainer:
         (paco_ds/grpo/evaluation.py; `launch/evaluate.py policy` runs the same function)."""
         from paco_ds.grpo.evaluation import eval_grid, evaluate_test_prompts
 
-        metrics, images = evaluate_test_prompts(self)
+        metrics, images = evaluate_test_prompts(self.cfg, self.dist, self.rollouts, self.test_items,
+                                                self.eval_rewards, self.ema.swapped_in() if self.ema is not None else None)
         if self.dist.is_main and images:
             self.logger.save_image("eval", eval_grid(images), self.epoch)
         return metrics
@@ -572,11 +531,6 @@ class GRPOTrainer:
 
 def _due(epoch: int, freq: int) -> bool:
     return freq > 0 and epoch % freq == 0
-
-
-def _references(traj: Trajectory):
-    """The original reference images of an editing batch as PIL images (None for text-to-image)."""
-    return [to_pil(im[None])[0] for im in traj.condition.images] if traj.condition is not None else None
 
 
 def _seed_everything(seed: int) -> None:

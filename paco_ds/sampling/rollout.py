@@ -9,7 +9,7 @@ VAE decodes once, at the end. Noise comes from one generator per sample keyed by
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -25,16 +25,22 @@ def make_generator(*keys) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Trajectory:
-    """A batch of same-size samples after rollout (tensors on CPU)."""
+    """A batch of same-size samples after rollout (tensors on CPU), complete when the sampler
+    returns it. Every field holds one row or item per sample, except those marked `shared`:
+    `gather_samples` stacks samples by these fields, so a new per-sample field is one line here."""
 
     prompts: list[str]
-    height: int
-    width: int
+    metadata: list[dict]
+    positions: list[int]  # global positions in the epoch plan
+    group_ids: list[int]  # the prompt group (GRPO normalises within it)
+    height: int = field(metadata={"shared": True})
+    width: int = field(metadata={"shared": True})
     embeds: TextEmbeds
     images: torch.Tensor  # uint8 [B, 3, H, W]
-    steps: list[int] = field(default_factory=list)  # trained step indices j
+    condition: Condition | None = None  # editing: the reference images and their latents
+    steps: torch.Tensor | None = None  # [B, T] int64: the trained step indices j of each sample
     x_t: torch.Tensor | None = None  # [B, T, L, C]  x_j
     x_next: torch.Tensor | None = None  # [B, T, L, C]  x_{j+1}
     sigma: torch.Tensor | None = None  # [B, T]
@@ -43,15 +49,17 @@ class Trajectory:
     log_prob: torch.Tensor | None = None  # [B, T] fp32, log pi_old
     mean_old: torch.Tensor | None = None  # [B, T, L, C] fp32 transition mean at sampling (GRPO-Guard's bias)
     x_final: torch.Tensor | None = None  # [B, L, C] the clean latents (losses on the forward process)
-    condition: Condition | None = None  # editing: the reference images and their latents
-    advantages: torch.Tensor | None = None  # [B] fp32, set once the epoch's rewards are in
-    keep: torch.Tensor | None = None  # [B] bool: trained this epoch
-    metadata: list[dict] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)  # global positions in the epoch plan
-    group_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingBatch(Trajectory):
+    """Samples stacked for one training micro-step, with each one's advantage (`training_batch`)."""
+
+    advantages: torch.Tensor  # [B] fp32
+    keep: torch.Tensor  # [B] bool: trained (False: the epoch drops it, or a zero-advantage filler)
 
 
 @torch.no_grad()
@@ -60,7 +68,8 @@ def sample_trajectories(
     num_steps: int, guidance: float, noise_level: float, noise_steps: list[int], train_steps: list[int],
     generators: list[torch.Generator], initial_latents: torch.Tensor | None = None, sde_type: str = "flow_grpo",
     sde_fn: Callable = sde_step, on_step: Callable[[int], None] | None = None, condition: Condition | None = None,
-    keep_final: bool = False, keep_mean: bool = False,
+    keep_final: bool = False, keep_mean: bool = False, metadata: list[dict] | None = None,
+    positions: list[int] | None = None, group_ids: list[int] | None = None,
 ) -> Trajectory:
     """Run the sampler for one batch; with noise_level 0 and no train steps this is pure ODE (eval).
 
@@ -68,7 +77,9 @@ def sample_trajectories(
     `keep_final`: also keep the clean final latents (for losses on the forward process);
     `keep_mean`: also keep the SDE transition mean of the trained steps (needs an sde_fn returning it).
     `noise_steps` / `train_steps` may hold one list per sample (Flow-GRPO-Fast windows per prompt
-    group): a step is then stochastic for the samples whose list has it and ODE for the others."""
+    group): a step is then stochastic for the samples whose list has it and ODE for the others.
+    `metadata`, `positions`, `group_ids`: each sample's (default: no metadata, its own group at its
+    index in the batch)."""
     b = len(prompts)
     sigmas = policy.sigmas(num_steps, height, width)
     x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)
@@ -111,20 +122,23 @@ def sample_trajectories(
         if on_step is not None:
             on_step(i)
     images = policy.decode(x, height, width)
-    traj = Trajectory(prompts=list(prompts), height=height, width=width, embeds=embeds.to("cpu"), images=images,
-                      condition=condition.to("cpu") if condition is not None else None,
-                      x_final=x.cpu() if keep_final else None)
+    positions = list(range(b)) if positions is None else list(positions)
+    kept_steps = {}
     if train_steps:
-        traj.steps = list(trained[0])  # sample 0's (per-group windows: each sample's are in sigma)
-        traj.x_t = torch.stack([torch.stack([k[0] for k in ks]) for ks in kept])
-        traj.x_next = torch.stack([torch.stack([k[1] for k in ks]) for ks in kept])
-        traj.log_prob = torch.stack([torch.stack([k[2] for k in ks]) for ks in kept])
-        if keep_mean:
-            traj.mean_old = torch.stack([torch.stack([k[3] for k in ks]) for ks in kept])
-        traj.sigma = torch.stack([sigmas[ts] for ts in trained])
-        traj.sigma_next = torch.stack([sigmas[[j + 1 for j in ts]] for ts in trained])
-        traj.sigma_max = sigmas[1].expand(b).clone()
-    return traj
+        kept_steps = dict(
+            steps=torch.tensor(trained, dtype=torch.int64).reshape(b, -1),
+            x_t=torch.stack([torch.stack([k[0] for k in ks]) for ks in kept]),
+            x_next=torch.stack([torch.stack([k[1] for k in ks]) for ks in kept]),
+            log_prob=torch.stack([torch.stack([k[2] for k in ks]) for ks in kept]),
+            mean_old=torch.stack([torch.stack([k[3] for k in ks]) for ks in kept]) if keep_mean else None,
+            sigma=torch.stack([sigmas[ts] for ts in trained]),
+            sigma_next=torch.stack([sigmas[[j + 1 for j in ts]] for ts in trained]),
+            sigma_max=sigmas[1].expand(b).clone())
+    return Trajectory(prompts=list(prompts), metadata=list(metadata) if metadata is not None else [{} for _ in range(b)],
+                      positions=positions, group_ids=list(group_ids) if group_ids is not None else list(positions),
+                      height=height, width=width, embeds=embeds.to("cpu"), images=images,
+                      condition=condition.to("cpu") if condition is not None else None,
+                      x_final=x.cpu() if keep_final else None, **kept_steps)
 
 
 def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, guidance: float,
@@ -143,25 +157,31 @@ def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: 
 
 
 def gather_samples(entries: list[tuple[Trajectory, int]]) -> Trajectory:
-    """Stack single samples (possibly from different rollout batches) into one training batch.
-
-    All samples must share the image size: a training micro-batch is one transformer call.
-    """
+    """Stack single samples (possibly from different rollout batches) into one batch of the same
+    class, field by field. All samples must share the image size: a training micro-batch is one
+    transformer call."""
     first = entries[0][0]
     if any((t.height, t.width) != (first.height, first.width) for t, _ in entries):
         raise ValueError("a training micro-batch mixes image sizes; use train.batch_size 1 for mixed-size data")
+    return type(first)(**{f.name: _gather([getattr(t, f.name) for t, _ in entries], [i for _, i in entries])
+                          if not f.metadata.get("shared") else getattr(first, f.name) for f in fields(first)})
 
-    def cat(name):
-        parts = [getattr(t, name) for t, _ in entries]
-        return None if parts[0] is None else torch.cat([p[[i]] for p, (_, i) in zip(parts, entries)])
 
-    return Trajectory(
-        prompts=[t.prompts[i] for t, i in entries], height=first.height, width=first.width,
-        embeds=TextEmbeds.cat([t.embeds.select([i]) for t, i in entries]), images=cat("images"),
-        steps=list(first.steps), x_t=cat("x_t"), x_next=cat("x_next"), sigma=cat("sigma"),
-        sigma_next=cat("sigma_next"), sigma_max=cat("sigma_max"), log_prob=cat("log_prob"), x_final=cat("x_final"),
-        mean_old=cat("mean_old"),
-        condition=Condition.cat([t.condition.select([i]) for t, i in entries]) if first.condition is not None else None,
-        advantages=cat("advantages"), keep=cat("keep"),
-        metadata=[t.metadata[i] for t, i in entries], positions=[t.positions[i] for t, i in entries],
-        group_ids=[t.group_ids[i] for t, i in entries])
+def _gather(values: list, rows: list[int]):
+    """Row `rows[k]` of `values[k]` for each k, stacked as the field's type stacks."""
+    if values[0] is None:
+        return None
+    if isinstance(values[0], torch.Tensor):
+        return torch.cat([v[[i]] for v, i in zip(values, rows)])
+    if isinstance(values[0], list):
+        return [v[i] for v, i in zip(values, rows)]
+    return type(values[0]).cat([v.select([i]) for v, i in zip(values, rows)])  # TextEmbeds, Condition
+
+
+def training_batch(entries: list[tuple[Trajectory, int]], advantages: torch.Tensor, keep: torch.Tensor) -> TrainingBatch:
+    """The batch one training micro-step runs on: these samples stacked, with their advantages
+    and whether each is trained."""
+    batch = gather_samples(entries)
+    return TrainingBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)},
+                         advantages=torch.as_tensor(advantages, dtype=torch.float32),
+                         keep=torch.as_tensor(keep, dtype=torch.bool))

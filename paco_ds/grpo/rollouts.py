@@ -1,0 +1,115 @@
+"""Sampling the policy, for training and for evaluation: the module sampling runs through, one
+rollout batch, an editing batch's condition, the grouping of prompts by image size, and the
+reference images rewards compare edits against.
+
+The trainer (paco_ds/grpo/trainer.py) samples its epochs with it; the evaluation
+(paco_ds/grpo/evaluation.py) samples the test prompts with it, also outside a training run
+(`launch/evaluate.py policy`, with no engine and no optimizer). Each gives it only what it needs:
+the evaluation no optimizer, loss or trained steps.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+import kernels
+from paco_ds.config import Config
+from paco_ds.data import PromptItem, read_reference
+from paco_ds.engine import gathered_for_phase
+from paco_ds.images import to_pil
+from paco_ds.models.base import Condition, Policy
+from paco_ds.sampling.rollout import Trajectory, make_generator, sample_trajectories
+from paco_ds.sampling.window import rollout_steps
+
+Pick = tuple[PromptItem, int, int]  # (item, prompt group id, position)
+
+
+class Rollouts:
+    """`module`: what sampling calls (the DeepSpeed engine in training; default the transformer);
+    `gather_once`: a ZeRO-3 transformer's parameters are gathered once for a whole sampling phase
+    (deepspeed.rollout_gather=once) instead of per denoising step; `sde`: the SDE step (the loss's,
+    so that log pi_old and training's log-prob come from the same kernel); `train_timesteps` and
+    `needs` (the loss's RolloutNeeds): what a training rollout keeps."""
+
+    def __init__(self, cfg: Config, policy: Policy, sde: Callable | None = None, *, module: torch.nn.Module | None = None,
+                 gather_once: bool = False, train_timesteps: Sequence[int] = (), needs=None):
+        self.cfg, self.policy = cfg, policy
+        self.sde = sde if sde is not None else partial(kernels.sde_step, backend=cfg.kernels.backend)
+        self._module = module
+        self.gather_once = gather_once
+        self.train_timesteps = list(train_timesteps)
+        self.needs = needs
+
+    @contextlib.contextmanager
+    def module(self) -> Iterator[torch.nn.Module]:
+        """The transformer for a sampling phase, in eval mode."""
+        transformer = self.policy.transformer
+        was_training = transformer.training
+        transformer.eval()
+        try:
+            if self.gather_once:
+                with gathered_for_phase(transformer):
+                    yield transformer
+            else:
+                yield self._module if self._module is not None else transformer
+        finally:
+            transformer.train(was_training)
+
+    def by_size(self, picks: list[Pick], resolution: int) -> list[tuple[tuple[int, int], list[Pick]]]:
+        """Split (item, group id, position) picks into runs of the same image size, keeping order.
+        An item's own height/width win; an edit's size keeps its reference's aspect ratio."""
+        groups: dict[tuple[int, int], list] = {}
+        for p in picks:
+            item = p[0]
+            if item.height or item.width or item.image is None:
+                size = item.size(resolution)
+            else:
+                size = self.policy.target_size(*read_reference(item).shape[1:], resolution)
+            groups.setdefault(size, []).append(p)
+        return list(groups.items())
+
+    def condition(self, items: list[PromptItem], h: int, w: int) -> Condition | None:
+        """An editing batch's reference images, encoded once for the whole rollout and training."""
+        if items[0].image is None:
+            return None
+        return self.policy.encode_condition([read_reference(it) for it in items], h, w)
+
+    def sample(self, module, picks: list[Pick], h: int, w: int, epoch: int) -> Trajectory:
+        """One training rollout batch: the recipe's noise steps (or SDE window), log pi_old of the
+        trained steps and what the loss needs; latents and noise keyed by (seed, epoch, position)."""
+        cfg, seed = self.cfg, self.cfg.seed
+        prompts = [it.prompt for it, _, _ in picks]
+        latent_keys = [(gid if cfg.sample.same_latent else f"p{pos}") for _, gid, pos in picks]
+        x0 = self.policy.initial_latents(len(picks), h, w,
+                                         [make_generator(seed, "latent", epoch, k) for k in latent_keys])
+        condition = self.condition([it for it, _, _ in picks], h, w)
+        noise_steps, train_steps = rollout_steps(cfg, epoch, [gid for _, gid, _ in picks], self.train_timesteps)
+        return sample_trajectories(
+            self.policy, module, prompts, self.policy.encode_prompts(prompts, condition), h, w, condition=condition,
+            num_steps=cfg.sample.num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
+            noise_steps=noise_steps, train_steps=train_steps if self.needs.log_probs else [],
+            generators=[make_generator(seed, "noise", epoch, pos) for _, _, pos in picks], initial_latents=x0,
+            sde_type=cfg.sample.sde_type, sde_fn=self.sde, keep_final=self.needs.clean_latents,
+            keep_mean=self.needs.mean_old, metadata=[it.metadata for it, _, _ in picks],
+            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks])
+
+    def sample_test(self, module, picks: list[Pick], h: int, w: int) -> Trajectory:
+        """One evaluation batch: ODE steps (test.num_steps), noise from a generator per prompt
+        index (the pick's group id), so an image does not depend on the rank that samples it."""
+        cfg = self.cfg
+        prompts = [it.prompt for it, _, _ in picks]
+        condition = self.condition([it for it, _, _ in picks], h, w)
+        return sample_trajectories(
+            self.policy, module, prompts, self.policy.encode_prompts(prompts, condition), h, w,
+            num_steps=cfg.test.num_steps, guidance=cfg.sample.guidance_scale, noise_level=0.0, noise_steps=[],
+            train_steps=[], generators=[make_generator(cfg.seed, "eval", i) for _, i, _ in picks], sde_fn=self.sde,
+            condition=condition, metadata=[it.metadata for it, _, _ in picks],
+            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks])
+
+    @staticmethod
+    def references(traj: Trajectory):
+        """The original reference images of an editing batch as PIL images (None for text-to-image)."""
+        return [to_pil(im[None])[0] for im in traj.condition.images] if traj.condition is not None else None
