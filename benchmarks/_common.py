@@ -36,7 +36,7 @@ def tiny_judge(**overrides) -> Iterator[str]:
     from paco_ds.serving import manager
     from paco_ds.serving.config import ServersConfig
 
-    cfg = ServersConfig(engine="hf", models=[{"name": JUDGE, "tiny": True}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": JUDGE, "tiny": True}], port=0, max_logprobs=267,
                         **overrides)
     with tempfile.TemporaryDirectory(prefix="paco_judge_") as state_dir:
         state = manager.start(cfg, state_dir, exit_with_parent=True)

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="paco_wide_judge_") as tmp:
         weights = wide_judge(Path(tmp) / "ckpt", args.hidden, args.layers)
         cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "path": str(Path(tmp) / "ckpt")}], port=0,
-                            max_logprobs=512, startup_timeout=300, dtype="fp32")
+                            max_logprobs=267, startup_timeout=300, dtype="fp32")
         state = manager.start(cfg, Path(tmp) / "state", exit_with_parent=True)
         try:
             (server,) = state["servers"]

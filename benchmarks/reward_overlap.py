@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         """`judge_stats`: the stand-in's /stats URL, read per epoch (requests at the judge at once)."""
         import httpx
 
-        spec = RewardSet(terms={"consistency_score": {"model": JUDGE, "base_url": url, "top_logprobs": 512}})
+        spec = RewardSet(terms={"consistency_score": {"model": JUDGE, "base_url": url, "top_logprobs": 267}})
 
         def epoch(variant: str, rep: int) -> dict:
             runner = RewardRunner(spec, overlap=variant == "overlap",
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         if "cpu" in args.judges:
             results["cpu"] = summary(measure(url, args.batches), args.batches)
         # One response of the real judge to a request of the reward's shape (two panels of a real
-        # rollout, top 512 logprobs): what the fixed-latency stand-in answers to every request.
+        # rollout, top 267 logprobs): what the fixed-latency stand-in answers to every request.
         recorded = record_response(url, rollout(0, 0)[0])
     if "fixed" in args.judges:
         with fixed_latency_judge(recorded, args.latency) as url:
@@ -198,7 +198,7 @@ def record_response(url: str, images) -> dict:
     content.append({"type": "text", "text": "Do the two images show the same subject? Answer Yes or No."})
     r = httpx.post(f"{url}/chat/completions", timeout=120, json={
         "model": JUDGE, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "logprobs": True,
-        "top_logprobs": 512})
+        "top_logprobs": 267})
     r.raise_for_status()
     return r.json()
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from paco_ds.recipe import check_name
-from paco_ds.serving.config import ServersConfig
+from paco_ds.serving.config import ServersConfig, check_top_logprobs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -379,6 +379,10 @@ class Config(Recipe):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
+        # A judge asked for more top_logprobs than its vocabulary fails every request (vLLM's engine dies).
+        check_top_logprobs({f"rewards.{split}.terms.{name}": t.kwargs for split, rs in
+                            (("train", self.rewards.train), ("test", self.rewards.test)) if rs is not None
+                            for name, t in rs.terms.items()}, self.reward_servers)
         if self.train.loss == "awm":
             self._awm_checks()
         steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above

@@ -35,7 +35,7 @@ def rss_kib(pid: int) -> int:
 def judge(tmp_path_factory):
     os.environ[TOKEN_ENV] = TOKEN
     state_dir = tmp_path_factory.mktemp("judge")
-    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=267,
                         api_key_env=TOKEN_ENV, startup_timeout=120, max_batch_size=1)
     try:
         state = manager.start(cfg, state_dir, exit_with_parent=True)

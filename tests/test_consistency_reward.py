@@ -34,7 +34,7 @@ ITEMS = [json.loads(l) for l in (REPO / "paco_ds/data/prompts/tiny_t2is_train.js
 
 
 def _start(state_dir):
-    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=267,
                         startup_timeout=120)
     return manager.start(cfg, state_dir, exit_with_parent=True)
 
@@ -70,7 +70,7 @@ def _grids(n, seed=0, size=64):
 
 
 def _reward(url, name="consistency_score", **kw):
-    return build_reward(name, {"model": MODEL, "base_url": url, "top_logprobs": 512, **kw})
+    return build_reward(name, {"model": MODEL, "base_url": url, "top_logprobs": 267, **kw})
 
 
 def _completed(url):
@@ -162,7 +162,7 @@ def test_editing_reward_takes_original_references_of_other_sizes_cached_by_conte
     from paco_ds.rewards.runner import part_scores
 
     runner = RewardRunner(RewardSet(terms={"consistency_for_editing": {"model": MODEL, "base_url": server,
-                                                                       "top_logprobs": 512}}))
+                                                                       "top_logprobs": 267}}))
     runner.submit(edited[:2], ["make it red"] * 2, [{}] * 2, [ref, ref])
     runner.submit(edited[2:], ["make it red"], [{}], [as_tensor])
     out = runner.collect()["consistency_for_editing"]
@@ -220,7 +220,7 @@ def test_unreachable_endpoint_fails_within_the_retry_budget():
 def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_path):
     state = _start(tmp_path)
     url = state["endpoints"][MODEL]
-    kw = {"model": MODEL, "base_url": url, "top_logprobs": 512, "retry_budget": 4.0, "backoff": 0.1}
+    kw = {"model": MODEL, "base_url": url, "top_logprobs": 267, "retry_budget": 4.0, "backoff": 0.1}
     try:
         runners = {policy: RewardRunner(RewardSet(terms={"consistency_score": kw}, on_failure=policy))
                    for policy in ("mask", "raise")}

@@ -27,7 +27,7 @@ MODEL = "paco-reward-tiny"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("judge")
-    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=267,
                         startup_timeout=120)
     try:
         yield manager.start(cfg, state_dir, exit_with_parent=True)["endpoints"][MODEL]

@@ -25,7 +25,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = tmp_path_factory.mktemp("judge")
-    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "tiny": True}], port=0, max_logprobs=267,
                         max_batch_size=1, startup_timeout=120)
     try:
         yield manager.start(cfg, state, exit_with_parent=True)["endpoints"][MODEL]
@@ -35,7 +35,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local():
-    return LocalJudge("tiny", top_logprobs=512)
+    return LocalJudge("tiny", top_logprobs=267)
 
 
 def _scores(summary):
@@ -47,7 +47,7 @@ def _scores(summary):
 @pytest.mark.parametrize("bench", ["consistency_rank", "edit_reward"])
 def test_served_and_in_process_judges_agree_and_a_resumed_run_equals_one_run(bench, data, server, local, tmp_path):
     root = data[0] if bench == "consistency_rank" else data[1]
-    served = ServedJudge(server, top_logprobs=512)
+    served = ServedJudge(server, top_logprobs=267)
     try:
         a = reward_bench.run(bench, root, served, tmp_path / "served", chunk=2)
     finally:
@@ -82,7 +82,7 @@ def test_served_and_in_process_judges_agree_and_a_resumed_run_equals_one_run(ben
 def test_cli_table_and_bad_input(data, tmp_path):
     out = tmp_path / "cli"
     p = run_cli(str(REPO / "launch/evaluate.py"), "reward", "--bench", "edit_reward", "--data", str(data[1]),
-                "--judge", "tiny", "--top-logprobs", "512", "--out", str(out), timeout=300)
+                "--judge", "tiny", "--top-logprobs", "267", "--out", str(out), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "subject-add" in p.stdout and "average" in p.stdout and "advanced" in p.stdout
     res = json.loads((out / "results.json").read_text())

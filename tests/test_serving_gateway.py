@@ -32,7 +32,7 @@ def _uri(seed):
 def _body(model, images=2):
     content = [{"type": "image_url", "image_url": {"url": _uri(i)}} for i in range(images)]
     return {"model": model, "messages": [{"role": "user", "content": content + [{"type": "text", "text": "Same?"}]}],
-            "max_tokens": 1, "logprobs": True, "top_logprobs": 512}
+            "max_tokens": 1, "logprobs": True, "top_logprobs": 267}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def group(tmp_path_factory):
     os.environ[TOKEN_ENV] = TOKEN
     state_dir = tmp_path_factory.mktemp("gateway")
     cfg = ServersConfig(engine="hf", models=[{"name": "judge-a", "tiny": True}, {"name": "judge-b", "path": str(ckpt)}],
-                        layout="gateway", port=0, backend_base_port=0, max_logprobs=512, max_body_mb=1,
+                        layout="gateway", port=0, backend_base_port=0, max_logprobs=267, max_body_mb=1,
                         api_key_env=TOKEN_ENV, startup_timeout=120)
     try:
         state = manager.start(cfg, state_dir, exit_with_parent=True)

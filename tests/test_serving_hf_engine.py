@@ -48,7 +48,7 @@ def ckpt(tmp_path_factory):
 def server(ckpt, tmp_path_factory):
     os.environ[TOKEN_ENV] = TOKEN
     state_dir = tmp_path_factory.mktemp("engine")
-    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "path": str(ckpt)}], port=0, max_logprobs=512,
+    cfg = ServersConfig(engine="hf", models=[{"name": MODEL, "path": str(ckpt)}], port=0, max_logprobs=267,
                         max_body_mb=1, api_key_env=TOKEN_ENV, startup_timeout=120)
     try:
         state = manager.start(cfg, state_dir, exit_with_parent=True)
@@ -80,7 +80,7 @@ def test_two_images_logprobs_match_the_in_process_model(server, local):
     images = [_image(1), _image(2, size=96)]
     resp = _client(server).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": _content(images)}], temperature=0.0,
-        max_completion_tokens=1, logprobs=True, top_logprobs=512)
+        max_completion_tokens=1, logprobs=True, top_logprobs=267)
     assert resp.object == "chat.completion" and resp.model == MODEL
     choice = resp.choices[0]
     assert choice.finish_reason == "length" and len(choice.logprobs.content) == 1
@@ -121,7 +121,7 @@ def test_greedy_tokens_up_to_max_tokens(server, local):
 def _first_logprobs(url, images, text):
     r = httpx.post(f"{url}/chat/completions", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": _content(images, text)}], "temperature": 0,
-        "max_tokens": 1, "logprobs": True, "top_logprobs": 512})
+        "max_tokens": 1, "logprobs": True, "top_logprobs": 267})
     assert r.status_code == 200, r.text
     return {t["token"]: t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
 
@@ -185,7 +185,7 @@ def _body(images=2, **kw):
     ("oversized", 413, "exceeds the limit of 1048576 bytes"),
     ("malformed", 400, "malformed JSON"),
     ("remote_url", 400, "must be a base64 data URI"),
-    ("too_many_logprobs", 400, "exceeds this server's max_logprobs=512"),
+    ("too_many_logprobs", 400, "exceeds this server's max_logprobs=267"),
     ("sampling", 400, "decodes greedily"),
     ("unknown_model", 404, "model 'PaCo-Tiny' is not served here; served: paco-tiny"),
     ("no_token", 401, "bearer token"),

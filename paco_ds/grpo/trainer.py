@@ -236,7 +236,10 @@ class GRPOTrainer:
         barrier()
         error = None
         try:
-            self.judges.wake() if wake else self.judges.sleep()
+            if wake:
+                self.judges.wake()
+            else:  # refused while a reward batch is still at the judges (it would stall, or be aborted)
+                self.judges.sleep(in_flight=self.train_rewards.in_flight() + self.eval_rewards.in_flight())
         except Exception as err:  # noqa: BLE001 - raised below on every rank together
             error = err
         if any_true(error is not None):

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from paco_ds.config import TinyModelConfig
+from paco_ds.serving.tiny_judge import TINY_JUDGE_HEAD_DIM
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -206,23 +207,29 @@ def qwen_tokenizer():
 
 
 def tiny_qwen2_5_vl(seed: int = 0, max_pixels: int = 56 * 56):
-    """A tiny Qwen2_5_VLForConditionalGeneration and its processor (2 text layers, 1 vision block)."""
+    """A tiny Qwen2_5_VLForConditionalGeneration and its processor (2 text layers of 2 heads of
+    TINY_JUDGE_HEAD_DIM with one key/value head, as the real model groups its queries; 1 vision block)."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                               Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
 
     tok = qwen_tokenizer()
     ids = {n: tok.convert_tokens_to_ids(n) for n in QWEN_SPECIAL_TOKENS}
+    heads = 2
+    hidden = heads * TINY_JUDGE_HEAD_DIM
     pixels = {"min_pixels": 28 * 28, "max_pixels": max_pixels}
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **pixels),
         video_processor=Qwen2VLVideoProcessor(**pixels), tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE)
     config = Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        # mrope_section splits the rotary half-dimension (16) among time, height and width as the
+        # real model's [16, 24, 24] splits 64.
+        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                     "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 1,
+                     "max_position_embeddings": 4096,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
                      "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
                      "pad_token_id": ids["<|endoftext|>"]},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": hidden,
                        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                        "fullatt_block_indexes": [0]},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

