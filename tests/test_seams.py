@@ -1,6 +1,6 @@
 """The seams editing policies and new losses plug into: a Condition travels from the rollout to
 every training forward and to the rewards, and advantages travel on the training batch."""
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, dataclass, fields, replace
 
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ import torch
 
 from paco_ds.models.base import Condition
 from paco_ds.rewards.base import Reward, RewardResult
-from paco_ds.sampling.rollout import (gather_samples, make_generator, sample_trajectories, training_batch,
-                                     transition_log_prob)
+from paco_ds.sampling.rollout import (Trajectory, gather_samples, make_generator, sample_trajectories,
+                                     training_batch, transition_log_prob)
 
 
 class _ConditionedPolicy:
@@ -64,6 +64,30 @@ def test_condition_reaches_every_forward_and_the_trained_batch(tiny_policy):
         other = transition_log_prob(policy, tiny_policy.transformer, wrong, 0, slice(None), guidance=3.5,
                                     noise_level=0.7)
     assert not torch.allclose(other.log_prob[0].float(), traj.log_prob[0, 0], atol=1e-3)
+
+
+def test_a_rollout_is_complete_frozen_and_stacks_every_field(tiny_policy):
+    """Per-group SDE windows: each sample carries its own trained steps; the sampler fills in the
+    metadata, positions and groups; a stacked batch has every field, a subclass's new one too."""
+    prompts = ["a red cube", "a blue ball"]
+    traj = sample_trajectories(tiny_policy, tiny_policy.transformer, prompts, tiny_policy.encode_prompts(prompts),
+                               64, 64, num_steps=4, guidance=3.5, noise_level=0.7, noise_steps=[[0, 1], [2, 3]],
+                               train_steps=[[0, 1], [2, 3]], generators=[make_generator(0, i) for i in range(2)],
+                               metadata=[{"k": 0}, {"k": 1}], positions=[7, 3], group_ids=[1, 0])
+    assert traj.steps.tolist() == [[0, 1], [2, 3]]
+    assert (traj.metadata, traj.positions, traj.group_ids) == ([{"k": 0}, {"k": 1}], [7, 3], [1, 0])
+    with pytest.raises(FrozenInstanceError):
+        traj.positions = [0, 1]
+    batch = training_batch([(traj, 1), (traj, 0)], torch.tensor([1.0, -1.0]), torch.tensor([True, True]))
+    assert batch.steps.tolist() == [[2, 3], [0, 1]] and batch.positions == [3, 7] and batch.group_ids == [0, 1]
+    torch.testing.assert_close(batch.sigma, traj.sigma[[1, 0]], rtol=0, atol=0)
+
+    @dataclass(frozen=True, kw_only=True)
+    class Tagged(Trajectory):
+        tag: list[str]  # a new per-sample field: one line, stacked by gather_samples
+
+    tagged = Tagged(**{f.name: getattr(traj, f.name) for f in fields(traj)}, tag=["a", "b"])
+    assert gather_samples([(tagged, 1), (tagged, 1), (tagged, 0)]).tag == ["b", "b", "a"]
 
 
 @pytest.mark.parametrize("ref, res, expected", [((480, 640), 512, (448, 592)), ((640, 480), 512, (592, 448)),
