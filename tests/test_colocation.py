@@ -86,6 +86,9 @@ def test_sleep_drains_requests_in_flight_and_needs_the_token(judge):
     url = state["servers"][0]["url"]
     assert httpx.post(f"{url}/sleep?level=1", timeout=30).status_code == 401
     assert httpx.post(f"{url}/sleep?level=2", headers=H, timeout=30).status_code == 400
+    # vLLM's modes: "abort" (its default) and "keep" are not what this engine does; "wait" is
+    refused = httpx.post(f"{url}/sleep?level=1&mode=abort", headers=H, timeout=30)
+    assert refused.status_code == 400 and "implements 'wait'" in refused.text
     codes: list[int] = []
     threads = [threading.Thread(target=lambda: codes.append(_chat(url).status_code)) for _ in range(4)]
     start = httpx.get(f"{url}/stats", headers=H).json().get("requests", 0)
@@ -103,8 +106,12 @@ def test_sleep_drains_requests_in_flight_and_needs_the_token(judge):
 
 
 def test_helper_names_a_judge_that_does_not_answer():
-    with pytest.raises(JudgeSleepError, match=r"judge http://127.0.0.1:9: POST /sleep\?level=1 failed"):
+    with pytest.raises(JudgeSleepError, match=r"judge http://127.0.0.1:9: POST /sleep\?level=1&mode=wait failed"):
         JudgeSleep(["http://127.0.0.1:9/v1"]).sleep()
+    # A reward batch still at the judges: refused before any judge is asked (vLLM would abort it
+    # or stall it until it wakes).
+    with pytest.raises(JudgeSleepError, match=r"2 reward batches are still in flight at the judges \(http://h:1\)"):
+        JudgeSleep(["http://h:1/v1"]).sleep(in_flight=2)
     assert base_url("http://h:1/v1/") == "http://h:1"
 
 
