@@ -214,6 +214,14 @@ def current() -> StopControl | None:
     return _current
 
 
+def saving_requested() -> bool:
+    """Whether this rank was asked to save and stop (checkpoint.save_on_sigterm). Loops whose
+    length differs between ranks (the evaluation) end early on it; the next collective check
+    saves on every rank together."""
+    control = current()
+    return control is not None and control.requested and control.preempt
+
+
 def uninstall() -> None:
     global _current
     if _current is not None:

@@ -7,10 +7,12 @@ judge training on. Each test signals only the named process, never a process gro
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -205,34 +207,24 @@ def test_a_run_directory_deleted_mid_run_is_one_line(tmp_path):
     _no_traceback(err)
 
 
-def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
-    """A SIGTERM while epoch 0 trains, in its second inner epoch (DiffusionNFT, whose noise
-    depends on how often each sample and step was visited this epoch): the checkpoint keeps the
-    epoch's rollouts, the micro-steps done, the gradients accumulated and the loss's own state;
-    --resume latest ends with the uninterrupted run's metrics exactly."""
-    import re
-    import threading
+def _preempt_on_progress(launcher, bar: str, past: float) -> tuple[str, list[tuple[int, int]]]:
+    """Run `launcher` to its end; SIGTERM every rank once the progress bar `bar` shows more than
+    `past` of its total. (its stderr, every (n, total) the bar showed)."""
+    progress = re.compile(re.escape(bar) + r":\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+    err_text, seen, signalled = [], [], threading.Event()
 
-    sets = ("train.num_epochs=1", "checkpoint.save_freq=1", "checkpoint.save_on_sigterm=true", "train.loss=nft",
-            "train.num_inner_epochs=2", *SHORT, *NO_JUDGE)
-    reference = run_trainer(tmp_path / "reference", *sets)
-    assert reference.returncode == 0, tail(reference)
-
-    run_dir = tmp_path / "preempted"
-    launcher = _start(run_dir, *sets)
-    err_text, signalled = [], threading.Event()
-    progress = re.compile(r"epoch 0 train:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
-
-    def watch():  # tqdm redraws with \r: read characters, signal the ranks past 60% of epoch 0's training
-        buf = ""
+    def watch():  # tqdm redraws its line after \r: read characters, match the line being drawn
+        line = ""
         while ch := launcher.stderr.read(1):
             err_text.append(ch)
-            buf = (buf + ch)[-200:]
-            m = progress.search(buf)
-            if m and not signalled.is_set() and int(m.group(1)) > 0.6 * int(m.group(2)):
-                for r in [p for p in _descendants(launcher.pid) if any(a.startswith("--local_rank=") for a in p.cmdline())]:
-                    r.send_signal(signal.SIGTERM)
-                signalled.set()
+            line = "" if ch in "\r\n" else line + ch
+            if ch == " " and (m := progress.search(line)):  # a space follows the n/total it drew
+                seen.append((int(m.group(1)), int(m.group(2))))
+                if not signalled.is_set() and seen[-1][0] > past * seen[-1][1]:
+                    for r in _descendants(launcher.pid):
+                        if any(a.startswith("--local_rank=") for a in r.cmdline()):
+                            r.send_signal(signal.SIGTERM)
+                    signalled.set()
 
     reader = threading.Thread(target=watch, daemon=True)
     reader.start()
@@ -242,7 +234,23 @@ def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
     finally:
         _cleanup(launcher, [])
     err = "".join(err_text)
-    assert signalled.is_set(), err[-3000:]
+    assert signalled.is_set(), f"the '{bar}' bar never passed {past:.0%}: {err[-3000:]}"
+    return err, seen
+
+
+def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
+    """A SIGTERM while epoch 0 trains, in its second inner epoch (DiffusionNFT, whose noise
+    depends on how often each sample and step was visited this epoch): the checkpoint keeps the
+    epoch's rollouts, the micro-steps done, the gradients accumulated and the loss's own state;
+    --resume latest ends with the uninterrupted run's metrics exactly."""
+    sets = ("train.num_epochs=1", "checkpoint.save_freq=1", "checkpoint.save_on_sigterm=true", "train.loss=nft",
+            "train.num_inner_epochs=2", *SHORT, *NO_JUDGE)
+    reference = run_trainer(tmp_path / "reference", *sets)
+    assert reference.returncode == 0, tail(reference)
+
+    run_dir = tmp_path / "preempted"
+    launcher = _start(run_dir, *sets)
+    err, _ = _preempt_on_progress(launcher, "epoch 0 train", 0.6)
     assert launcher.returncode == 75, err[-3000:]
     saved = _latest(run_dir)
     assert saved.startswith("epoch_0000_step_"), saved  # mid-epoch: the rollouts and the steps done are kept
@@ -251,3 +259,25 @@ def test_preemption_mid_training_resumes_to_the_uninterrupted_run(tmp_path):
     resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
     assert resumed.returncode == 0, tail(resumed)
     assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))
+
+
+def test_preemption_during_evaluation_ends_it_and_saves(tmp_path):
+    """Evaluation can take minutes on a real test set, longer than a scheduler's grace: a SIGTERM
+    ends it at the next batch, and the ranks save the epoch's start together (exit 75)."""
+    prompts = (REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl").read_text().splitlines()
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text("\n".join(prompts * 2) + "\n")  # 16 prompts: 8 per rank, one per batch
+    sets = ("train.num_epochs=1", "checkpoint.save_freq=1", "checkpoint.save_on_sigterm=true", "test.eval_freq=1",
+            "test.batch_size=1", f"data.test_file={test_file}", "sample.group_size=4", "logging.num_train_images=0",
+            *NO_JUDGE)
+    run_dir = tmp_path / "run"
+    launcher = _start(run_dir, *sets)
+    err, seen = _preempt_on_progress(launcher, "eval", 0.1)
+    assert launcher.returncode == 75, err[-3000:]
+    assert seen[-1][0] < seen[-1][1], seen  # it ended early: not every prompt was evaluated
+    assert _latest(run_dir) == "epoch_0000"
+    verify(run_dir / "checkpoints" / "epoch_0000")
+    resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
+    assert resumed.returncode == 0, tail(resumed)
+    rows = metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [0, 1] and "eval/jpeg_compressibility/mean" in rows[0]

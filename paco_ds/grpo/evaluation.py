@@ -13,7 +13,9 @@ import contextlib
 import time
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from paco_ds import stopping
 from paco_ds.config import Config
 from paco_ds.data import PromptItem
 from paco_ds.distributed import DistInfo, all_gather_object
@@ -36,8 +38,11 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
     n_show = cfg.test.num_images
     scored, shown = [], []  # (prompt index, size) of each submitted sample, in submission order
     swapped = weights if weights is not None and adapter else contextlib.nullcontext()
+    bar = tqdm(total=len(mine), desc="eval", unit="prompt", disable=not dist.is_main, leave=False)
     with swapped, _adapter(rollouts.policy.transformer, adapter), rollouts.module() as module:
         for start in range(0, len(mine), cfg.test.batch_size):
+            if stopping.saving_requested():  # preempted: no more batches; the trainer's next check saves
+                break
             chunk = mine[start:start + cfg.test.batch_size]
             for (h, w), picks in rollouts.by_size([(it, i, i) for i, it in chunk], cfg.test.resolution):
                 traj = rollouts.sample_test(module, picks, h, w)
@@ -48,9 +53,13 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
                     scored.append((i, (h, w)))
                     if i < n_show:  # an edit is shown beside its reference
                         shown.append((i, [refs[j]] if refs else [], to_pil(traj.images[j][None])[0]))
+            bar.update(len(chunk))
+    bar.close()
     res = rewards.collect()
     records = [(i, {n: float(r.scores[k]) for n, r in res.items()}, size) for k, (i, size) in enumerate(scored)]
     everyone = sorted((r for rs in all_gather_object(records) for r in rs), key=lambda r: r[0])
+    if not everyone:  # every rank was preempted before its first batch
+        return {}, []
     metrics = {}
     for name in rewards.rewards:
         s = np.array([r[1][name] for r in everyone], dtype=np.float64)
