@@ -60,16 +60,18 @@ def _body(model, seed):
                 {"type": "text", "text": "Same?"}]}]}
 
 
-def _top(r):
+def _top(r) -> list[tuple[str, float]]:
+    """The first token's top logprobs in rank order (a list: byte tokens that are not whole UTF-8
+    characters share one text, '' from vLLM)."""
     assert r.status_code == 200, r.text
-    return {t["token"]: t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
+    return [(t["token"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
 
 
 def test_routes_two_models_one_of_them_vllm(gateway):
     gw, routes = gateway["url"], gateway["routes"]
     listed = {m["id"] for m in httpx.get(f"{gw}/v1/models", timeout=30).json()["data"]}
     assert listed == {JUDGE, HF_NAME}
-    answers = {}
+    ranked = {}
     for model in (JUDGE, HF_NAME):
         before = httpx.get(f"{gw}/stats", timeout=30).json()
         routed = httpx.post(f"{gw}/v1/chat/completions", json=_body(model, 1), timeout=300)
@@ -78,9 +80,10 @@ def test_routes_two_models_one_of_them_vllm(gateway):
             {m: int(m == model) for m in routes}
         assert routed.json()["model"] == model
         direct = httpx.post(f"{routes[model]}/v1/chat/completions", json=_body(model, 1), timeout=300)
-        assert _top(routed) == pytest.approx(_top(direct), abs=0)  # the backend's own answer, untouched
-        answers[model] = _top(routed)
-    assert len(answers[JUDGE]) == VOCAB  # the whole vocabulary, from vLLM too
+        assert _top(routed) == _top(direct)  # the backend's own answer, untouched
+        ranked[model] = _top(routed)
+    assert len(ranked[JUDGE]) == len(ranked[HF_NAME]) == VOCAB  # the whole vocabulary, from vLLM too
+    answers = {m: dict(r) for m, r in ranked.items()}  # "Yes" and "No" are whole tokens: one entry each
     p = {m: np.exp(answers[m]["Yes"]) / (np.exp(answers[m]["Yes"]) + np.exp(answers[m]["No"])) for m in answers}
     assert p[JUDGE] == pytest.approx(p[HF_NAME], abs=1e-6)
     r = httpx.post(f"{gw}/v1/chat/completions", json=_body("nobody", 1), timeout=30)

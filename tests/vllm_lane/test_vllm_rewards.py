@@ -17,7 +17,10 @@ from paco_ds.rewards.registry import build_reward
 from .conftest import JUDGE, VOCAB
 
 ITEMS = [json.loads(l) for l in (REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl").read_text().splitlines() if l]
-TOL = 1e-6  # float32 forward passes of different kernels: identical here, rounding at most
+# float32 on both sides: P(Yes) came out bit-identical here; 1e-6 leaves room for the summation
+# order of other attention kernels, while a different template, image preprocessing or logprob
+# reading moves a random judge's P(Yes) by far more (1e-3 and up).
+TOL = 1e-6
 
 
 def _images(n, seed, size):
@@ -72,5 +75,9 @@ def test_first_token_logprobs_match_token_for_token(vllm_server, hf_server):
         tops.append(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"])
     ours, want = tops
     assert len(ours) == len(want) == 20
-    assert [t["token"] for t in ours] == [t["token"] for t in want]
     np.testing.assert_allclose([t["logprob"] for t in ours], [t["logprob"] for t in want], rtol=0, atol=1e-5)
+    # A byte token that is not a whole UTF-8 character reads '' from vLLM and U+FFFD from the hf
+    # engine; every other token is the same text at the same rank.
+    partial = ("", "\ufffd")
+    same = [(a["token"], b["token"]) for a, b in zip(ours, want) if a["token"] not in partial or b["token"] not in partial]
+    assert len(same) >= 5 and all(a == b for a, b in same), same
