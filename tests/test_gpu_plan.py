@@ -1,12 +1,12 @@
 """The GPU plan's machinery, fast: fake CUDA tensors, their device checks and memory count, the
-full-size FLUX.1-dev transformer built from the repo's config, and the CLI's input checks.
+full-size FLUX.1-dev and SD3.5-Medium parts built from the repo's configs, and the CLI's input checks.
 The full-size plans of the paper recipes (minutes each) are tests/plan/ (make test-plan)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import TINY, one_line_error, run_cli
+from tests.conftest import REPO, TINY, one_line_error, run_cli
 
 
 @pytest.fixture
@@ -91,11 +91,33 @@ def test_gpu_memory_refuses_the_tiny_model():
     assert "model.tiny" in one_line_error(proc)
 
 
-def test_gpu_memory_names_a_family_it_cannot_plan(tmp_path):
-    """An SD3.5 recipe has no full-size description in the plan yet: one line naming the key, not a traceback."""
-    prompts = tmp_path / "train.txt"
-    prompts.write_text("".join(f'a sign that says "word {i}"\n' for i in range(48)))  # one epoch's 48 prompts
-    proc = run_cli("launch/train.py", "--config", "configs/sd3_pickscore.yaml", "--dry-run", "--world-size", "32",
-                   "--gpu-memory", "80", "--set", f"data.train_file={prompts}", "--set", f"data.test_file={prompts}")
-    line = one_line_error(proc)
-    assert "config key 'model.family'" in line and "'sd3'" in line
+def test_sd35_medium_parts_count_their_parameters():
+    """SD3.5-Medium's transformer (MMDiT-X: 24 joint blocks, the first 13 with a second image
+    attention) and its three text encoders, built on meta from the repo's configs."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from paco_ds.gpu_plan import models as M
+
+    t = M.sd3_transformer()
+    assert M.count(t) == 2_243_171_520
+    assert sum(1 for b in t.transformer_blocks if b.attn2 is not None) == 13
+    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_L_PROJ)))) == 123_650_304
+    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_G_PROJ)))) == 694_659_840
+    t5 = M.t5_xxl()
+    assert M.count(t5) == 4_762_310_656  # the embedding once, as the checkpoint has it
+    from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
+
+    to_fake_cuda(FakeCuda(), t5, torch.bfloat16)
+    assert t5.encoder.embed_tokens.weight is t5.shared.weight and M.count(t5) == 4_762_310_656
+
+
+def test_gpu_memory_names_a_family_it_cannot_plan(monkeypatch):
+    """A family with no full-size description in the plan: one line naming the key, not a traceback."""
+    import paco_ds.gpu_plan as gp
+    from paco_ds.errors import ConfigError
+    from paco_ds.grpo.plan import load_config
+
+    monkeypatch.setattr(gp, "PLANNED_FAMILIES", ("flux", "flux_kontext", "qwen_image_edit"))
+    cfg = load_config(REPO / "configs" / "sd3_pickscore.yaml", [])
+    with pytest.raises(ConfigError, match=r"config key 'model.family'.*'sd3'"):
+        gp.print_plan(cfg, 8, 80)

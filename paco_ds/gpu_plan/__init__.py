@@ -11,7 +11,7 @@ from paco_ds.errors import ConfigError
 
 
 # The families whose full-size parts paco_ds/gpu_plan/models.py describes.
-PLANNED_FAMILIES = ("flux", "flux_kontext", "qwen_image_edit")
+PLANNED_FAMILIES = ("flux", "flux_kontext", "qwen_image_edit", "sd3")
 
 
 def print_plan(cfg, world_size: int, gpu_gib: float, log=print):

@@ -1,8 +1,8 @@
 """The full-size models of the recipes, built from configs written here (nothing is downloaded).
 
 The values are those of the published checkpoints' config files (model_index / config.json of
-black-forest-labs/FLUX.1-dev and FLUX.1-Kontext-dev, Qwen/Qwen-Image-Edit, google T5-XXL v1.1 as
-FLUX ships it, openai CLIP ViT-L/14 text tower, Qwen2.5-VL-7B-Instruct, laion CLIP-ViT-H-14 for
+black-forest-labs/FLUX.1-dev and FLUX.1-Kontext-dev, Qwen/Qwen-Image-Edit,
+stabilityai/stable-diffusion-3.5-medium, google T5-XXL v1.1 as FLUX and SD3.5 ship it, openai CLIP ViT-L/14 text tower, Qwen2.5-VL-7B-Instruct, laion CLIP-ViT-H-14 for
 PickScore_v1, open_clip's bundled ViT-H-14). Each is built on the meta device (no memory) and
 turned into fake CUDA tensors (fake.py); the tokenizers are the offline ones of models/tiny.py,
 padded to the real lengths, so every tensor on the device path has its real shape.
@@ -37,6 +37,20 @@ T5_XXL = {  # FLUX's text_encoder_2 (T5 v1.1 XXL encoder)
     "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "feed_forward_proj": "gated-gelu",
     "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False, "pad_token_id": 0, "eos_token_id": 1,
     "decoder_start_token_id": 0,
+}
+SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 2,243,171,520 parameters
+    "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "dual_attention_layers": tuple(range(13)),
+    "qk_norm": "rms_norm",
+}
+SD35_VAE = FLUX_VAE | {"scaling_factor": 1.5305, "shift_factor": 0.0609}  # same autoencoder shape as FLUX's
+SD35_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+CLIP_L_PROJ = CLIP_L_TEXT | {"pad_token_id": 1}  # SD3.5's text_encoder: CLIP-L with its projection (768)
+CLIP_G_PROJ = {  # SD3.5's text_encoder_2: OpenCLIP bigG/14's text tower with its projection (1280)
+    "vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+    "num_attention_heads": 20, "max_position_embeddings": 77, "hidden_act": "gelu", "projection_dim": 1280,
+    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
 }
 QWEN_IMAGE_TRANSFORMER = {
     "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
@@ -96,27 +110,72 @@ def qwen_image_transformer() -> nn.Module:
     return _empty(lambda: QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER))
 
 
+def t5_xxl() -> nn.Module:
+    """T5-XXL's encoder with its token embedding once: the checkpoints tie `encoder.embed_tokens`
+    to `shared`, which a model built on meta here does not (131,596,288 parameters counted twice);
+    one module under both names stays one tensor through `to_fake_cuda`."""
+    from transformers import T5Config, T5EncoderModel
+
+    model = _empty(lambda: T5EncoderModel(T5Config(**T5_XXL)))
+    model.encoder.embed_tokens = model.shared
+    return model
+
+
+def sd3_transformer() -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return _empty(lambda: SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER))
+
+
 def transformer_for(family: str) -> nn.Module:
+    if family == "sd3":
+        return sd3_transformer()
     return qwen_image_transformer() if family == "qwen_image_edit" else flux_transformer()
 
 
 def flux_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:
     """FluxPolicy's other components (VAE, CLIP-L, T5-XXL) on fake CUDA, frozen models tagged."""
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     from paco_ds.models.tiny import clip_tokenizer, t5_tokenizer
 
     parts = {
         "vae": _empty(lambda: AutoencoderKL(**FLUX_VAE)),
         "text_encoder": _empty(lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))),
-        "text_encoder_2": _empty(lambda: T5EncoderModel(T5Config(**T5_XXL))),
+        "text_encoder_2": t5_xxl(),
     }
     for name, m in parts.items():
         to_fake_cuda(mode, m, dtype)
         mode.track_module(m, "vae" if name == "vae" else "text encoders")
     tok2 = t5_tokenizer()
     return parts | {"tokenizer": clip_tokenizer(), "tokenizer_2": tok2, "scheduler_config": dict(FLUX_SCHEDULER)}
+
+
+def sd3_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:
+    """SD3Policy's other components: the VAE (fp32, as the policy keeps it), CLIP-L and CLIP-G with
+    their projections and T5-XXL, each with its own offline tokenizer (as SD3.5 ships one per encoder)."""
+    import copy
+
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from paco_ds.models.tiny import clip_tokenizer, t5_tokenizer
+
+    encoders = {
+        "text_encoder": _empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L_PROJ))),
+        "text_encoder_2": _empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G_PROJ))),
+        "text_encoder_3": t5_xxl(),
+    }
+    vae = _empty(lambda: AutoencoderKL(**SD35_VAE))
+    to_fake_cuda(mode, vae, torch.float32)
+    mode.track_module(vae, "vae")
+    for m in encoders.values():
+        to_fake_cuda(mode, m, dtype)
+        mode.track_module(m, "text encoders")
+    toks = {"tokenizer": copy.deepcopy(clip_tokenizer()), "tokenizer_2": copy.deepcopy(clip_tokenizer()),
+            "tokenizer_3": copy.deepcopy(t5_tokenizer())}
+    return encoders | toks | {"vae": vae, "scheduler_config": dict(SD35_SCHEDULER)}
 
 
 def qwen_edit_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:

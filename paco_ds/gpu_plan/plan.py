@@ -182,10 +182,15 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
 
     if family == "qwen_image_edit":
         parts = M.qwen_edit_parts(mode, dtype)
+    elif family == "sd3":
+        parts = M.sd3_parts(mode, dtype) | {"max_sequence_length": cfg.model.max_sequence_length}
     else:
         parts = M.flux_parts(mode, dtype) | {"max_sequence_length": cfg.model.max_sequence_length}
-    policy = policy_class(family)(transformer=transformer, device=device, dtype=dtype, **parts)
-    encoders = [m for m in (getattr(policy, "text_encoder", None), getattr(policy, "text_encoder_2", None)) if m]
+    # Built under the mode: SD3's constructor encodes the empty negative prompt on the device.
+    with mode:
+        policy = policy_class(family)(transformer=transformer, device=device, dtype=dtype, **parts)
+    encoders = [m for m in (getattr(policy, "text_encoder", None), getattr(policy, "text_encoder_2", None),
+                            getattr(policy, "text_encoder_3", None)) if m]
 
     loss = build_loss(run_cfg, policy)
     if inject is not None:
@@ -229,6 +234,8 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
             from paco_ds.gpu_plan.fake import move_fake
 
             mode.device = policy.device = torch.device("meta")
+            if hasattr(policy, "_negative_here"):
+                policy._negative_here = None  # SD3's device copy of its negative prompt, made again there
             move_fake(mode, transformer, mode.device)
             lora = [p for p in transformer.parameters() if p.requires_grad]
             transformer.train()

@@ -66,3 +66,42 @@ def test_a_host_tensor_in_the_sde_steps_inputs_is_caught_on_the_real_path():
 
     with pytest.raises(DevicePathError, match="device mix"):
         _plan("flux_t2is.yaml", T2IS_DATA, inject=inject)
+
+
+# ------------------------------------------------------------------------------- SD3.5-Medium
+def _sd3_data(tmp_path, name: str) -> list[str]:
+    """A shipped tiny prompt file repeated to 48 prompts: one epoch of Flow-GRPO's SD3 recipes at 8 ranks."""
+    src = REPO / "paco_ds" / "data" / "prompts" / name
+    lines = src.read_text().strip().splitlines()
+    many = tmp_path / f"train{src.suffix}"
+    many.write_text("\n".join(lines * -(-48 // len(lines))) + "\n")
+    return [f"data.train_file={many}", f"data.test_file={src}"]
+
+
+def test_sd3_geneval_without_gradient_checkpointing_does_not_fit_and_says_why(tmp_path):
+    """GenEval scores on its own server: no local reward model. At Flow-GRPO's 9 images per micro-step
+    (18 with the batched CFG), the training activations are what does not fit."""
+    args = [a for o in _sd3_data(tmp_path, "tiny_geneval_train.jsonl") for a in ("--set", o)]
+    proc = run_cli("launch/train.py", "--config", "configs/sd3_geneval.yaml", "--dry-run", "--world-size", "8",
+                   "--gpu-memory", "80", *args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GPU plan per rank (sd3, 512x512, bfloat16, gradient checkpointing off" in proc.stdout
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
+    assert "does not fit on 8 x 80 GiB: training" in verdict and "biggest: activations" in verdict
+    assert "fix: model.gradient_checkpointing: true" in verdict
+    assert "reward_models" not in next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
+
+
+def test_sd3_pickscore_with_gradient_checkpointing_fits_on_8_x_80(tmp_path):
+    data = _sd3_data(tmp_path, "tiny_ocr_train.txt")
+    plan = _plan("sd3_pickscore.yaml", data + ["model.gradient_checkpointing=true"])
+    assert plan.fits, plan.to_json()["verdict"]
+    assert plan.image_size == (512, 512) and plan.counts["rollout_batch"] == 9
+    assert plan.params["transformer"] - plan.params["lora"] == 2_243_171_520
+    assert plan.params["text_encoders"] == 123_650_304 + 694_659_840 + 4_762_310_656  # CLIP-L, CLIP-G, T5-XXL
+    assert plan.params["reward_models"] > 9e8  # PickScore's CLIP-H at full size, on the device
+    assert plan.memory["training"]["text encoders"] == 0 < plan.memory["sampling"]["text encoders"]
+    assert plan.memory["scoring"]["reward models"] > GiB
+    # 10 steps of one batched CFG forward each; training recomputes the checkpointed forward
+    assert plan.flops["sampling"] > 10 * plan.flops_detail["transformer_forward"] > 0
+    assert plan.flops_detail["train_micro_step"] > 3 * plan.flops_detail["transformer_forward"]
