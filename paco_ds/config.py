@@ -77,6 +77,8 @@ class ModelConfig(Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     lora: LoraConfig = Field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
+    # torch.compile of the transformer's repeated blocks, for sampling and training (paco_ds/models/compile.py)
+    compile: bool = False
     max_sequence_length: int = Field(512, gt=0)
     allow_tf32: bool = True
 

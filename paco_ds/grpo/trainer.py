@@ -35,7 +35,7 @@ from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, al
                                  setup_distributed, shutdown_distributed)
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
-from paco_ds.errors import TrainingDiverged
+from paco_ds.errors import ConfigError, TrainingDiverged
 from paco_ds.grpo.advantages import StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.grpo.losses import build_loss
@@ -44,6 +44,7 @@ from paco_ds.grpo.rollouts import Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.models import build_policy
+from paco_ds.models.compile import ZERO3_REFUSAL, compile_blocks
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import RewardRunner, part_scores
@@ -103,10 +104,14 @@ class GRPOTrainer:
             grad_accum=self.plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,
             bf16=resolve_dtype(cfg.model.dtype, dist.device) == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage,
             overrides=cfg.deepspeed.overrides)
+        if cfg.model.compile and zero_stage(self.ds_config) == 3:
+            raise ConfigError(ZERO3_REFUSAL)
         self.policy = build_policy(cfg.model, dist.device, self.ds_config)
         add_lora(self.policy.transformer, cfg.model.lora)
         if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
             self.policy.transformer.enable_gradient_checkpointing()
+        if cfg.model.compile:  # after LoRA: the compiled blocks trace the adapted layers
+            compile_blocks(self.policy.transformer)
         self.loss = build_loss(cfg, self.policy)
         trainable = [p for p in self.policy.transformer.parameters() if p.requires_grad]
         self.engine = create_engine(self.policy.transformer, trainable, self.ds_config, lr=cfg.train.learning_rate,
