@@ -5,17 +5,18 @@ to the next (new prompts, new noise, the same shapes) nor at a third image size 
 (automatic dynamic shapes), and sampling and training outputs within float tolerance of eager.
 """
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from paco_ds.config import ModelConfig
-from paco_ds.errors import ConfigError
+from distributed_runs import REPO, TINY, cpu_env, free_port
+from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.flux import FluxPolicy
 from paco_ds.models.lora import add_lora
-from paco_ds.config import LoraConfig
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,14 @@ def test_compiled_equals_eager_within_float_tolerance(policies):
     torch.testing.assert_close(v_c, v_e, rtol=1e-4, atol=1e-5)
     for a, b in zip(g_c, g_e, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_zero3_refuses_compile_in_one_line_naming_the_key(tmp_path):
+    args = [sys.executable, str(REPO / "launch/train.py"), "--config", str(TINY)]
+    for s in (f"output_dir={tmp_path}", "run_name=z3", "model.compile=true", "deepspeed.zero_stage=3"):
+        args += ["--set", s]
+    r = subprocess.run(args, cwd=REPO, env=cpu_env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "model.compile" in line]
+    assert len(lines) == 1 and "ZeRO stage 3" in lines[0], r.stderr[-2000:]
