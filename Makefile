@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo sft-demo test bench test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
+.PHONY: setup demo sft-demo test bench triton36-setup test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
 
 setup: $(STAMP)
 
@@ -48,10 +48,12 @@ bench: setup
 # 480 compiles: about 3 min on 2 quiet cores with a cold Triton cache, plus the wheel download on first use.
 TRITON36_VENV ?= build/venv-triton36
 
-test-triton36:
+triton36-setup:
 	@test -x $(TRITON36_VENV)/bin/python || $(PYTHON) -m venv $(TRITON36_VENV)
 	@$(TRITON36_VENV)/bin/python -c "import triton, sys; sys.exit(triton.__version__ != '3.6.0')" 2>/dev/null || \
 	  $(TRITON36_VENV)/bin/python -m pip install -q triton==3.6.0
+
+test-triton36: triton36-setup
 	$(TRITON36_VENV)/bin/python kernels/aot.py --out build/aot-triton36
 
 # The GPU lane, for a machine with one CUDA GPU and no network (tests/gpu/run_lane.sh says what it runs).
