@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
+from pathlib import Path
 
-from _common import RESULTS, machine, write_report  # noqa: E402  (puts the repo on sys.path)
-
-import torch  # noqa: E402
+import torch
+from _common import RESULTS, machine, write_report  # also puts the repository on sys.path
 
 
 def main(argv=None) -> dict:
@@ -80,8 +81,8 @@ def main(argv=None) -> dict:
     report = {"model": "reduced FLUX (1 double + 2 single blocks, width 3072), fp32, LoRA r64",
               "shapes": {"sample_batch": 4, "train_batch": 1, "image_tokens": 64, "text_tokens": 64},
               "reps": args.reps, "times_s": times, "results": rows,
-              "load_average_at_end": list(__import__("os").getloadavg())}
-    print(write_report("compile_blocks_cpu", report, __import__("pathlib").Path(args.out), info))
+              "load_average_at_end": list(os.getloadavg())}
+    print(write_report("compile_blocks_cpu", report, Path(args.out), info))
     return report
 
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from distributed_runs import REPO, TINY, cpu_env, free_port
 from torch._dynamo.utils import counters
 
-from distributed_runs import REPO, TINY, cpu_env, free_port
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.flux import FluxPolicy
@@ -91,7 +91,7 @@ def test_zero3_refuses_compile_in_one_line_naming_the_key(tmp_path):
     for s in (f"output_dir={tmp_path}", "run_name=z3", "model.compile=true", "deepspeed.zero_stage=3"):
         args += ["--set", s]
     r = subprocess.run(args, cwd=REPO, env=cpu_env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if "model.compile" in line]
     assert len(lines) == 1 and "ZeRO stage 3" in lines[0], r.stderr[-2000:]
