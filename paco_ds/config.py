@@ -10,7 +10,7 @@ world_size)` in paco_ds/grpo/plan.py computes them from the real world size at r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -176,13 +176,26 @@ class TrainConfig(Section):
     num_inner_epochs: int = Field(1, ge=1)
     loss: str = "ppo"  # a loss of paco_ds/grpo/losses.py (LOSSES)
     clip_range: float = Field(1e-4, gt=0)
-    beta: float = Field(0.0, ge=0)  # KL weight; the reference forward runs only when > 0
+    kl_beta: float = Field(0.0, ge=0)  # KL weight; the reference forward runs only when > 0
     timesteps: list[int] | None = None  # trained step indices; default: sample.noise_steps
     ratio_norm: bool = False  # GRPO-Guard: RatioNorm + per-step gradient reweighting on PPO-clip
     nft: NFTConfig = Field(default_factory=NFTConfig)  # used by loss: nft
     awm: AWMConfig = Field(default_factory=AWMConfig)  # used by loss: awm
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
+
+    # Renamed keys: an old spelling is refused naming the new one rather than silently ignored.
+    # `beta` alone read as the KL weight next to train.nft.beta, NFT's implicit-policy strength.
+    RENAMED: ClassVar[dict[str, str]] = {"beta": "kl_beta"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data):
+        if isinstance(data, dict):
+            for old, new in cls.RENAMED.items():
+                if old in data:
+                    raise ValueError(f"train.{old} is now train.{new} (the KL weight to the base model)")
+        return data
 
     @field_validator("loss")
     @classmethod

@@ -203,6 +203,21 @@ def test_a_non_finite_learning_rate_is_one_line_in_the_dry_run():
     assert "config key 'train.learning_rate'" in line and "finite" in line
 
 
+# ------------------------------------------------------------------------------------ renamed keys
+def test_the_old_kl_weight_key_names_the_new_one():
+    with pytest.raises(ConfigError, match=r"train\.beta is now train\.kl_beta"):
+        load_config(TINY, ["train.beta=0.04"])
+    assert load_config(TINY, ["train.kl_beta=0.04"]).train.kl_beta == 0.04
+    assert load_config(TINY, ["train.nft.beta=2"]).train.nft.beta == 2  # NFT's own beta is not the KL weight
+    with pytest.raises(ConfigError, match=r"config key 'train.kl_beta'"):
+        load_config(TINY, ["train.kl_beta=-1"])
+
+
+def test_the_old_kl_weight_key_is_one_line_in_the_dry_run():
+    line = one_line_error(_dry_run("train.beta=0.04"))
+    assert "train.beta is now train.kl_beta" in line
+
+
 # ------------------------------------------------------------------------------------ advantages that are all 0
 def test_all_reward_weights_zero_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"config keys 'rewards.train.terms' \(--set rewards.train.terms=.*\): .*every reward "

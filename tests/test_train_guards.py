@@ -57,7 +57,7 @@ def test_nonfinite_rewards_are_masked_not_zeroed(tmp_path):
 
 
 def test_kl_needs_a_second_forward_only_when_beta_is_positive(tmp_path):
-    proc = _train(tmp_path / "kl", *ONE_EPOCH, "train.beta=0.05")
+    proc = _train(tmp_path / "kl", *ONE_EPOCH, "train.kl_beta=0.05")
     assert proc.returncode == 0, tail(proc)
     row = metrics(tmp_path / "kl")[0]
     assert row["train/forwards_per_step"] == 2.0 and row["train/kl"] > 0

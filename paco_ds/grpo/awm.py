@@ -15,7 +15,7 @@ Flow-Factory's trainer (X-GenGroup/Flow-Factory, src/flow_factory/trainers/rl/aw
   (2 forwards); without `clip_range`, -A log p (1 forward);
 - K noise levels per sample, drawn per stratum; fresh eps for each; advantages clipped to
   +-advantage.clip and rescaled to +-advantage_max;
-- optional velocity-space KL terms: to the base model (`train.beta`, adapter disabled) and to a
+- optional velocity-space KL terms: to the base model (`train.kl_beta`, adapter disabled) and to a
   slow EMA anchor of the policy (`ema_beta`), each one more forward without grad.
 The rollout keeps only the clean final latents (`RolloutNeeds(log_probs=False, clean_latents=True)`).
 """
@@ -196,11 +196,11 @@ class AWM(Loss):
         if v_anchor is not None:
             ema_kl_t = msd(v_anchor)
             loss, ema_kl = loss + a.ema_beta * ema_kl_t, float(ema_kl_t)
-        if cfg.train.beta > 0:
+        if cfg.train.kl_beta > 0:
             with torch.no_grad(), policy.adapter_disabled(module):
                 v_ref = call()
             kl_t = msd(v_ref)
-            loss, kl = loss + cfg.train.beta * kl_t, float(kl_t)
+            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t)
         stats["kl"], stats["ema_kl"] = kl, ema_kl
         return loss, stats
 

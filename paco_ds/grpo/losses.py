@@ -8,7 +8,7 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
 
 - `ppo` (PaCo-GRPO, Flow-GRPO): PPO-clip on the SDE transition log-probs of the noised steps,
   against log pi_old recorded at sampling; one forward with grad per sample and step, plus a
-  forward with the adapter disabled for the KL to the base model only when `train.beta > 0`.
+  forward with the adapter disabled for the KL to the base model only when `train.kl_beta > 0`.
   With `train.ratio_norm` (GRPO-Guard, arXiv 2510.22319): the log-ratio gets its bias back and
   is scaled by the transition std (RatioNorm), the step's term is divided by its dt (gradient
   reweighting); the rollout also keeps the sampling transition mean mu_old (no extra forward).
@@ -16,7 +16,7 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
   final latents; positive / negative implicit policies from the current and the old velocity,
   weighted by the optimality probability r from the advantage. No SDE log-prob anywhere (the
   rollout is an ODE unless the recipe says otherwise); two forwards per trained sample and step
-  (old without grad, current with grad), a third (adapter disabled) only when `train.beta > 0`.
+  (old without grad, current with grad), a third (adapter disabled) only when `train.kl_beta > 0`.
 - `awm` (Advantage Weighted Matching, arXiv 2509.25050), in paco_ds/grpo/awm.py: flow matching on
   the clean final latents at K drawn noise levels, its error weighted by the advantage.
 """
@@ -129,7 +129,7 @@ class PPOClip(Loss):
     def __init__(self, cfg: Config, policy: Policy):
         self.guard = cfg.train.ratio_norm
         # The fp32 transition mean is only needed for the KL term and GRPO-Guard's bias.
-        self.return_mean = cfg.train.beta > 0 or self.guard
+        self.return_mean = cfg.train.kl_beta > 0 or self.guard
         self.needs = RolloutNeeds(log_probs=True, mean_old=self.guard)
         super().__init__(cfg, policy)
         self.log_prob = partial(transition_log_prob, policy, guidance=cfg.sample.guidance_scale,
@@ -158,11 +158,11 @@ class PPOClip(Loss):
                          **_moments(f"{label}/logratio_norm", z))
         stats = {k: float(v) for k, v in stats.items()}
         kl = 0.0
-        if cfg.train.beta > 0:
+        if cfg.train.kl_beta > 0:
             with torch.no_grad(), self.policy.adapter_disabled(module):
                 ref = self.log_prob(module, batch, t, slice(None))
             kl_t = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=cfg.kernels.backend).mean()
-            loss, kl = loss + cfg.train.beta * kl_t, float(kl_t)
+            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t)
         stats["kl"] = kl
         return loss, stats
 
@@ -279,11 +279,11 @@ class NFT(Loss):
         stats = {k: float(v) for k, v in stats.items()}
         stats["policy_loss"] = float(loss.detach())
         kl = 0.0
-        if cfg.train.beta > 0:
+        if cfg.train.kl_beta > 0:
             with torch.no_grad(), policy.adapter_disabled(module):
                 v_ref = call()
             kl_t = (v_theta.float() - v_ref.float()).pow(2).flatten(1).mean(1).mul(live).sum() / len(batch)
-            loss, kl = loss + cfg.train.beta * kl_t, float(kl_t)
+            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t)
         stats["kl"] = kl
         return loss, stats
 
