@@ -101,3 +101,23 @@ def test_recipes_validate(recipe):
     cfg = load_config(recipe)
     assert cfg.train.loss in ("ppo", "nft")
     assert cfg.train.ratio_norm or cfg.train.loss == "nft" or cfg.sample.sde_window is not None
+
+
+def test_the_epoch_line_prints_what_the_loss_reports(capsys):
+    from types import SimpleNamespace
+
+    from paco_ds.grpo.losses import NFT, Loss, PPOClip
+    from paco_ds.grpo.trainer import GRPOTrainer
+
+    class OwnStat(Loss):  # a loss outside paco_ds reports its own statistic
+        headline = {"margin": ".2f"}
+
+    m = {"epoch": 3, "reward/x/mean": 0.5, "train/loss": 0.25, "train/ratio": 1.0, "train/clipfrac": 0.125,
+         "train/margin": 0.5, "time/epoch": 2.0}
+    lines = {}
+    for loss in (PPOClip, NFT, OwnStat):
+        GRPOTrainer._print_epoch(SimpleNamespace(dist=SimpleNamespace(is_main=True), loss=loss), m)
+        lines[loss] = capsys.readouterr().out
+    assert "loss=0.25 ratio=1.000000 clipfrac=0.125 |" in lines[PPOClip]
+    assert "loss=0.25 |" in lines[NFT] and "ratio" not in lines[NFT]  # NFT has no likelihood ratio
+    assert "loss=0.25 margin=0.50 |" in lines[OwnStat] and "ratio" not in lines[OwnStat]

@@ -105,6 +105,8 @@ def anchor_decay(step: int, decay: float, kind: str) -> float:
 
 class AWM(Loss):
     name = "awm"
+    headline = {"ratio": ".6f", "clipfrac": ".3f"}  # present when the policy loss is PPO-clipped
+    first_of_epoch = ("ratio",)
     needs = RolloutNeeds(log_probs=False, clean_latents=True)
 
     def __init__(self, cfg: Config, policy: Policy):

@@ -50,6 +50,11 @@ class Loss:
     name = ""
     needs = RolloutNeeds(log_probs=True)
     return_mean = False  # the SDE step also returns its fp32 transition mean
+    # What the trainer reports of this loss's statistics, so that it knows none of them itself:
+    # `headline` the ones on the epoch line (name -> format), `first_of_epoch` the ones whose value
+    # at the epoch's first micro-step is also logged, as train/<name>_first.
+    headline: dict[str, str] = {}
+    first_of_epoch: tuple[str, ...] = ()
 
     def __init__(self, cfg: Config, policy: Policy):
         self.cfg, self.policy = cfg, policy
@@ -125,6 +130,8 @@ def _moments(prefix: str, x: torch.Tensor) -> dict[str, float]:
 
 class PPOClip(Loss):
     name = "ppo"
+    headline = {"ratio": ".6f", "clipfrac": ".3f"}
+    first_of_epoch = ("ratio",)  # 1 before the first update of the epoch: a check that old == current
 
     def __init__(self, cfg: Config, policy: Policy):
         self.guard = cfg.train.ratio_norm

@@ -336,12 +336,12 @@ class GRPOTrainer:
         timesteps = list(range(len(self.plan.train_timesteps)))
         self.loss.begin_epoch(self.epoch)
         stats: dict[str, list[float]] = {}
-        first_ratio = None
+        first: dict[str, float] = {}  # the loss's `first_of_epoch` statistics at the epoch's first micro-step
         self.forwards = 0
         done = 0  # micro-steps of this epoch already taken (before a preemption checkpoint)
         if partial is not None:
-            stats, first_ratio, self.forwards, done = (partial["stats"], partial["first_ratio"], partial["forwards"],
-                                                       partial["done"])
+            stats, first, self.forwards, done = (partial["stats"], partial.get("first", {}), partial["forwards"],
+                                                 partial["done"])
             self._restore_accumulation(partial)
             self.loss.load_epoch_state(partial.get("loss_epoch", {}))
         total = cfg.train.num_inner_epochs * n_micro * len(timesteps)
@@ -349,7 +349,7 @@ class GRPOTrainer:
                    leave=False)
         self.engine.train()
         flat = 0
-        self._check_preemption(samples, metrics, {"stats": stats, "first_ratio": first_ratio, "done": done})
+        self._check_preemption(samples, metrics, {"stats": stats, "first": first, "done": done})
         for inner in range(cfg.train.num_inner_epochs):
             gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.rank)
             pool = kept or entries
@@ -369,19 +369,19 @@ class GRPOTrainer:
                         continue
                     k = m * len(timesteps) + t
                     step_stats = self._micro_step(batch, t, boundary=(k + 1) % group_len == 0, scale=group_len)
-                    if first_ratio is None and "ratio" in step_stats:  # DiffusionNFT has no ratio
-                        first_ratio = step_stats["ratio"]
+                    for key in self.loss.first_of_epoch:
+                        if key in step_stats:
+                            first.setdefault(key, step_stats[key])
                     for key, v in step_stats.items():
                         stats.setdefault(key, []).append(v)
                     bar.update(1)
-                    self._check_preemption(samples, metrics, {"stats": stats, "first_ratio": first_ratio,
-                                                              "done": flat})
+                    self._check_preemption(samples, metrics, {"stats": stats, "first": first, "done": flat})
         bar.close()
         out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite",)}
         out = all_reduce_mean(out)
         out["train/nonfinite_steps"] = float(sum(all_gather_object(sum(stats.get("nonfinite", [])))))
-        if first_ratio is not None:
-            out["train/ratio_first"] = float(first_ratio)
+        for key, v in first.items():
+            out[f"train/{key}_first"] = float(v)
         out["train/micro_steps"] = float(total)
         out["train/forwards_per_step"] = self.forwards / total
         out["train/lr"] = float(self.engine.get_lr()[0])
@@ -526,8 +526,8 @@ class GRPOTrainer:
             return
         rewards = " ".join(f"{k[len('reward/'):-len('/mean')]}={m[k]:.4g}" for k in m
                            if k.startswith("reward/") and k.endswith("/mean"))
-        print(f"epoch {m['epoch']:4d} | {rewards} | loss={m.get('train/loss', float('nan')):.4g} "
-              f"ratio={m.get('train/ratio', float('nan')):.6f} clipfrac={m.get('train/clipfrac', float('nan')):.3f} "
+        report = "".join(f" {k}={m.get(f'train/{k}', float('nan')):{fmt}}" for k, fmt in self.loss.headline.items())
+        print(f"epoch {m['epoch']:4d} | {rewards} | loss={m.get('train/loss', float('nan')):.4g}{report} "
               f"| {m['time/epoch']:.1f}s", flush=True)
 
     def close(self) -> None:
