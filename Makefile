@@ -29,13 +29,13 @@ demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29511 launch/train.py --config configs/tiny/t2is.yaml
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/test_stop.py
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/grpo/test_stop.py
 
-# Stops and preemption with real processes (tests/test_stop.py): the tiny run started, signalled, resumed
+# Stops and preemption with real processes (tests/grpo/test_stop.py): the tiny run started, signalled, resumed
 # and compared; several minutes on 2 cores, so a lane of its own that .ci/run calls.
 .PHONY: test-stop
 test-stop: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_stop.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/grpo/test_stop.py
 
 sft-demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29512 launch/sft.py --config configs/tiny/reward_sft.yaml

@@ -89,7 +89,7 @@ def gathered_for_phase(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     ZeRO-3 all-gathers and frees the whole model around each forward. `GatheredParameters` alone
     is not enough, because the engine's hooks release a parameter after each forward that used it
     unless it is listed in `ds_active_sub_modules` (DeepSpeed's private per-parameter set, read by
-    its release path); the pin adds a sentinel there for the phase. tests/test_zero3_pin.py fails
+    its release path); the pin adds a sentinel there for the phase. tests/models/test_zero3_pin.py fails
     if a DeepSpeed upgrade changes that behaviour.
     """
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters

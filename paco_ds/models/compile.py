@@ -8,7 +8,7 @@ does, and state-dict keys, LoRA names and checkpoints are those of the eager mod
 the final norm and the projection stay eager. Sampling (no grad, eval) and training (grad, train
 mode) each compile once per block class on their first call; a new image size compiles once more
 with that dimension dynamic (dynamo's automatic dynamic shapes), and nothing recompiles after that
-(tests/test_compile.py reads dynamo's counters).
+(tests/models/test_compile.py reads dynamo's counters).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Follows Flow-GRPO's SD3 code (github.com/yifan123/flow_grpo):
   transformer reads timestep = 1000 sigma.
 - SDE: flow_grpo/diffusers_patch/sd3_sde_with_logprob.py is the project's `flow_grpo` SDE type
   (kernels/sde_reference.py, same mean, std and per-element-averaged Gaussian log-prob, the same
-  sigma == 1 guard with sigmas[1]); tests/test_sd3.py checks it against a transcription of that file.
+  sigma == 1 guard with sigmas[1]); tests/models/test_sd3.py checks it against a transcription of that file.
 
 Latents are kept packed as 2x2 patches [B, L, 4C] like FLUX's, so every part of the trainer sees
 the same layout; they are unpacked to [B, C, H, W] for the transformer (which patchifies itself)

@@ -10,7 +10,7 @@ vLLM's (`POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping`) for a judge 
 Dynamic batching: each request is templated and preprocessed on its own (so a bad request fails
 alone, with a 400), then queued; a single worker takes what arrives within `batch_wait_ms` (up to
 `max_batch_size`), left-pads it into one batch and runs `generate` once. Batched and unbatched
-results agree to float rounding (tests/test_serving_hf_engine.py).
+results agree to float rounding (tests/serving/test_hf_engine.py).
 
     python -m paco_ds.serving.hf_engine --model /path/to/ckpt --served-model-name PaCo-Reward-7B --port 8000
 """

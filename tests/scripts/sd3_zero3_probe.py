@@ -1,5 +1,5 @@
 """Load an SD3 folder plainly and partitioned under ZeRO-3 on every rank, as the trainer would, and
-record what tests/test_sd3.py checks: the partitioned transformer gathers to exactly the plain
+record what tests/models/test_sd3.py checks: the partitioned transformer gathers to exactly the plain
 weights, each rank holds about half of them, and the guided velocity through the LoRA'd engines
 (plain vs partitioned load) is bitwise the same.
 

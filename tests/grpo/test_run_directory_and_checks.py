@@ -1,4 +1,4 @@
-"""Issue 15: one run per run directory, checkpoints that prove themselves, every input checked
+"""One run per run directory, checkpoints that prove themselves, every input checked
 before the first step (and by --dry-run), as one line and exit 2.
 
 Single-process checks only: the trainer's entry point is run with plain `python` (world size 1)

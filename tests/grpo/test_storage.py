@@ -2,7 +2,7 @@
 
 The errors are real: /dev/full answers every write with ENOSPC, and a 256 KiB tmpfs mounted in a
 private mount namespace (`unshare -m`) is a disk that fills up. The real-process runs (2 ZeRO-3
-ranks writing into a full disk, a run directory deleted mid-run) are in tests/test_stop.py.
+ranks writing into a full disk, a run directory deleted mid-run) are in tests/grpo/test_stop.py.
 """
 import json
 import shutil

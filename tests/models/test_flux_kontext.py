@@ -246,7 +246,7 @@ def test_load_refuses_checkpoints_that_are_not_kontext(tmp_path):
 
 def test_zero3_load_goes_through_the_partitioned_builder(tmp_path, monkeypatch):
     """Under ZeRO-3 the Kontext transformer is built by zero_load.build_partitioned from the
-    folder's transformer/ (the 2-rank load itself is tests/test_zero3_load.py's, shared code)."""
+    folder's transformer/ (the 2-rank load itself is tests/models/test_zero3_load.py's, shared code)."""
     from diffusers import FluxTransformer2DModel
 
     import paco_ds.models.flux as flux

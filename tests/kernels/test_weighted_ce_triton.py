@@ -1,6 +1,6 @@
 """The Triton row kernel of the fused linear + CE, in the interpreter on CPU (compiled where CUDA is).
 
-As in test_kernels_triton.py, TRITON_INTERPRET must be set before triton is imported, so on CPU this
+As in test_triton_interpreter.py, TRITON_INTERPRET must be set before triton is imported, so on CPU this
 module reruns itself in a subprocess started with TRITON_INTERPRET=1, where the kernel tests run.
 """
 
