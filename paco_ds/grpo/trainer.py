@@ -522,19 +522,23 @@ class GRPOTrainer:
         return out_dir if self.dist.is_main else None
 
     def _print_epoch(self, m: dict) -> None:
-        if not self.dist.is_main:
-            return
-        rewards = " ".join(f"{k[len('reward/'):-len('/mean')]}={m[k]:.4g}" for k in m
-                           if k.startswith("reward/") and k.endswith("/mean"))
-        report = "".join(f" {k}={m.get(f'train/{k}', float('nan')):{fmt}}" for k, fmt in self.loss.headline.items())
-        print(f"epoch {m['epoch']:4d} | {rewards} | loss={m.get('train/loss', float('nan')):.4g}{report} "
-              f"| {m['time/epoch']:.1f}s", flush=True)
+        if self.dist.is_main:
+            print(epoch_line(m, self.loss.headline), flush=True)
 
     def close(self) -> None:
         self.train_rewards.close()
         self.eval_rewards.close()
         if self.logger is not None:
             self.logger.close()
+
+
+def epoch_line(m: dict, headline: dict[str, str]) -> str:
+    """An epoch's one line: its rewards, the loss and the statistics the loss declares (`headline`:
+    name -> format), the time."""
+    rewards = " ".join(f"{k[len('reward/'):-len('/mean')]}={m[k]:.4g}" for k in m
+                       if k.startswith("reward/") and k.endswith("/mean"))
+    report = "".join(f" {k}={m.get(f'train/{k}', float('nan')):{fmt}}" for k, fmt in headline.items())
+    return f"epoch {m['epoch']:4d} | {rewards} | loss={m.get('train/loss', float('nan')):.4g}{report} | {m['time/epoch']:.1f}s"
 
 
 def _due(epoch: int, freq: int) -> bool:

@@ -103,21 +103,16 @@ def test_recipes_validate(recipe):
     assert cfg.train.ratio_norm or cfg.train.loss == "nft" or cfg.sample.sde_window is not None
 
 
-def test_the_epoch_line_prints_what_the_loss_reports(capsys):
-    from types import SimpleNamespace
-
+def test_the_epoch_line_prints_what_the_loss_reports():
     from paco_ds.grpo.losses import NFT, Loss, PPOClip
-    from paco_ds.grpo.trainer import GRPOTrainer
+    from paco_ds.grpo.trainer import epoch_line
 
     class OwnStat(Loss):  # a loss outside paco_ds reports its own statistic
         headline = {"margin": ".2f"}
 
     m = {"epoch": 3, "reward/x/mean": 0.5, "train/loss": 0.25, "train/ratio": 1.0, "train/clipfrac": 0.125,
          "train/margin": 0.5, "time/epoch": 2.0}
-    lines = {}
-    for loss in (PPOClip, NFT, OwnStat):
-        GRPOTrainer._print_epoch(SimpleNamespace(dist=SimpleNamespace(is_main=True), loss=loss), m)
-        lines[loss] = capsys.readouterr().out
+    lines = {loss: epoch_line(m, loss.headline) for loss in (PPOClip, NFT, OwnStat)}
     assert "loss=0.25 ratio=1.000000 clipfrac=0.125 |" in lines[PPOClip]
     assert "loss=0.25 |" in lines[NFT] and "ratio" not in lines[NFT]  # NFT has no likelihood ratio
     assert "loss=0.25 margin=0.50 |" in lines[OwnStat] and "ratio" not in lines[OwnStat]
