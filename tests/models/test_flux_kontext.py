@@ -2,6 +2,7 @@
 log-prob recomputation, the schedule, aspect ratio, LoRA export into FluxKontextPipeline, loading."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
-from paco_ds.sampling.schedule import flux_sigmas
+from paco_ds.models.schedule import flux_sigmas
 
 PROMPTS = ["turn the sky red", "add a hat to the cat"]
 GUIDANCE = 2.5  # the Kontext recipe's guidance scale
@@ -130,7 +131,7 @@ def test_recomputed_log_prob_equals_the_sampled_one(policy):
         step = transition_log_prob(policy, policy.transformer, traj, 0, [i], guidance=GUIDANCE, noise_level=0.9)
         assert torch.exp(step.log_prob.float() - traj.log_prob[[i], 0]).item() == pytest.approx(1.0, abs=1e-5)
     # Other condition latents give another mean and log-prob: training reads the condition too.
-    traj.condition = other_latents(traj.condition)
+    traj = dataclasses.replace(traj, condition=other_latents(traj.condition))  # a Trajectory is frozen
     other = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], guidance=GUIDANCE, noise_level=0.9)
     assert (other.mean - whole.mean).abs().max() > 1e-3
     assert not torch.equal(other.log_prob, whole.log_prob)
