@@ -77,6 +77,9 @@ def test_layers():
     assert graph["paco_ds.config"] <= {"paco_ds.recipe", "paco_ds.serving.config", "paco_ds.errors"}
     assert graph["paco_ds.recipe"] <= {"paco_ds.errors"}
     assert "paco_ds.grpo.trainer" not in {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps}
+    # The sigma schedule is the policy's (paco_ds/models/schedule.py): models never import sampling.
+    assert not {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps
+                if d.startswith("paco_ds.sampling")}
     # The image helpers are the ground floor: nothing from paco_ds, and rewards reach no sampling code.
     assert not {d for d in graph["paco_ds.images"] if d.startswith("paco_ds")}
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paco_ds.sampling.schedule import ShiftConfig, flux_sigmas
+from paco_ds.models.schedule import ShiftConfig, flux_sigmas
 
 
 def _opt(x, fn):

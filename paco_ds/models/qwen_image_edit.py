@@ -37,7 +37,7 @@ from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import Condition, Policy, TextEmbeds, pack_2x2, unpack_2x2
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
-from paco_ds.sampling.schedule import ShiftConfig, calculate_mu
+from paco_ds.models.schedule import ShiftConfig, calculate_mu
 
 log = logging.getLogger(__name__)
 

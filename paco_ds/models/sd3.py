@@ -38,7 +38,7 @@ from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import Policy, TextEmbeds, pack_2x2, unpack_2x2
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
-from paco_ds.sampling.schedule import ShiftConfig
+from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
 

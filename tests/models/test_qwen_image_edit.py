@@ -173,7 +173,7 @@ def test_sigmas_are_qwen_schedulers(policy):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from paco_ds.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
-    from paco_ds.sampling.schedule import calculate_mu
+    from paco_ds.models.schedule import calculate_mu
 
     sched = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
     for steps, (h, w) in [(10, (384, 384)), (8, (512, 768)), (20, (64, 96))]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.sde_reference import kl_to_reference, sde_step, transition_stats
-from paco_ds.sampling.schedule import calculate_mu, flux_sigmas
+from paco_ds.models.schedule import calculate_mu, flux_sigmas
 
 
 def test_flux_sigma_table_512():
