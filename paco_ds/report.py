@@ -20,7 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Training panels after the rewards: (title, y label, keys). train/loss is left out: it is
-# policy_loss + beta * kl, which the two panels already show.
+# policy_loss + kl_beta * kl, which the two panels already show.
 TRAIN_PANELS = [
     ("Policy loss", "loss", ["train/policy_loss"]),
     ("KL to the base model", "KL", ["train/kl"]),
