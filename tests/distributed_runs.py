@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,3 +57,15 @@ def stable(rows: list[dict]) -> list[dict]:
 
 def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (proc.stdout[-n:] + "\n---\n" + proc.stderr[-n:])
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int:
+    """`proc`'s exit code; past `timeout` its whole session is killed and the test fails."""
+    import pytest
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run did not stop within {timeout}s")

@@ -7,10 +7,9 @@ import signal
 import subprocess
 import time
 
-import pytest
-
 from conftest import REPO, TINY
-from distributed_runs import DEEPSPEED
+from distributed_runs import DEEPSPEED, finish
+
 from paco_ds.serving.manager import free_port
 
 BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take a second to answer)
@@ -45,19 +44,10 @@ def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
     return state["endpoints"]["paco-reward-tiny"], time.monotonic()
 
 
-def _finish(proc, timeout):
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"the run did not stop within {timeout}s")
-
-
 def test_judge_killed_with_raise_stops_the_run_naming_the_endpoint(tmp_path):
     proc = _launch(tmp_path, "train.num_epochs=6", "rewards.train.on_failure=raise")
     url, killed = _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
-    code = _finish(proc, timeout=60)
+    code = finish(proc, timeout=60)
     elapsed = time.monotonic() - killed
     out = (tmp_path / "run.log").read_text()
     assert code != 0
@@ -72,7 +62,7 @@ def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path
     proc = _launch(tmp_path, "train.num_epochs=3", "rewards.train.on_failure=mask",
                    "train.max_consecutive_nonfinite=10")
     _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
-    code = _finish(proc, timeout=120)
+    code = finish(proc, timeout=120)
     out = (tmp_path / "run.log").read_text()
     assert code == 0, out[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().splitlines() if l.strip()]

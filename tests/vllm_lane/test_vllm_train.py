@@ -3,17 +3,15 @@ judge (reward_servers.engine: vllm, configs/tiny/t2is_vllm.yaml), ends with exit
 consistency reward. The second scores against the lane's shared vLLM server, which is killed after
 the first epoch: the run stops, naming the endpoint, as it does with the hf engine. That kill ends
 the shared server, so this file runs last."""
-import json
 import math
 import os
 import signal
 import subprocess
 import time
 
-import pytest
-
 from conftest import REPO
-from distributed_runs import DEEPSPEED
+from distributed_runs import DEEPSPEED, finish, metrics
+
 from paco_ds.serving.manager import free_port
 
 from .conftest import JUDGE, VLLM_PYTHON, VOCAB
@@ -35,31 +33,18 @@ def _launch(tmp_path, *sets, recipe=RECIPE):
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _finish(proc, timeout):
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"the run did not stop within {timeout}s")
-
-
-def _rows(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-
-
 def test_recipe_with_a_vllm_judge_trains_and_logs_the_consistency_reward(tmp_path, judge_dir):
     terms = (f"{{consistency_score: {{weight: 1.0, model: {JUDGE}, top_logprobs: {VOCAB}}}, "
              "jpeg_compressibility: {weight: 1.0}}")
     proc = _launch(tmp_path, "train.num_epochs=2", f"rewards.train.terms={terms}",
                    f"reward_servers.models=[{{name: {JUDGE}, path: {judge_dir}}}]")
-    code = _finish(proc, timeout=1500)  # vLLM's start-up (minutes on 2 busy cores) + two tiny epochs
+    code = finish(proc, timeout=1500)  # vLLM's start-up (minutes on 2 busy cores) + two tiny epochs
     out = (tmp_path / "run.log").read_text()
     assert code == 0, out[-4000:]
     run_dir = tmp_path / "tiny_t2is_vllm"
     (log,) = (run_dir / "reward_servers").glob("*/paco-reward-tiny.log")
     assert "vllm" in log.read_text().lower()  # the judge was vLLM's server, not the hf engine
-    rows = _rows(run_dir)
+    rows = metrics(run_dir)
     assert [r["epoch"] for r in rows] == [0, 1]
     for r in rows:
         mean = r["reward/consistency_score/mean"]
@@ -83,9 +68,9 @@ def test_vllm_judge_killed_mid_run_stops_the_run_naming_the_endpoint(tmp_path, v
         assert time.monotonic() < deadline, "no epoch within the time limit"
         time.sleep(0.2)
     os.killpg(vllm_server["pid"], signal.SIGKILL)  # the API server and its engine process
-    code = _finish(proc, timeout=180)
+    code = finish(proc, timeout=180)
     out = (tmp_path / "run.log").read_text()
     assert code != 0
     assert f"reward server {url} (model '{JUDGE}')" in out and "connection failed" in out, out[-4000:]
     assert "Traceback" not in out  # a reward server failure is a user-facing one-liner
-    assert len(_rows(run_dir)) <= 2  # stopped in the epoch after the kill
+    assert len(metrics(run_dir)) <= 2  # stopped in the epoch after the kill
