@@ -62,8 +62,8 @@ def test_vllm_judge_killed_mid_run_stops_the_run_naming_the_endpoint(tmp_path, v
     proc = _launch(tmp_path, "train.num_epochs=6", "rewards.train.on_failure=raise", f"rewards.train.terms={terms}",
                    "reward_servers=null")
     run_dir, deadline = tmp_path / "tiny_t2is_vllm", time.monotonic() + 600
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.is_file() and metrics.read_text().strip()):
+    metrics_file = run_dir / "metrics.jsonl"
+    while not (metrics_file.is_file() and metrics_file.read_text().strip()):
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no epoch within the time limit"
         time.sleep(0.2)
