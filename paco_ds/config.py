@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from paco_ds.grpo.loss_config import AWMConfig, LossSection, NFTConfig, PPOConfig
 from paco_ds.recipe import check_name
 from paco_ds.serving.config import ServersConfig, check_top_logprobs
 
@@ -132,36 +133,6 @@ class EMAConfig(Section):
     update_interval: int = Field(8, ge=1)  # in optimizer steps
 
 
-class NFTConfig(Section):
-    """DiffusionNFT (arXiv 2509.16117); README "Beyond PaCo-GRPO" maps each key to its equation."""
-
-    beta: float = Field(1.0, gt=0)  # implicit-policy strength: v+- = v_old +- beta (v_theta - v_old)
-    decay_type: Literal[0, 1, 2] = 1  # old-policy soft update: 0 copy, 1 min(0.001 s, 0.5), 2 delayed
-    adaptive_weight: bool = True  # x0-regression weighted by 1 / mean|x0_hat - x0| (stop-grad)
-
-
-class AWMConfig(Section):
-    """Advantage Weighted Matching (arXiv 2509.25050); docs/losses.md maps each key to the paper and
-    to the authors' code (scxue/advantage_weighted_matching, scripts/train_sd3_awm.py)."""
-
-    # The noise levels t trained per sample: `fixed` the schedule's sigma_j of train.timesteps (as
-    # nft); `discrete` one step per stratum of [0, sample.num_steps * timestep_fraction), its sigma
-    # (`discrete_wo_init` strata of [1, ...), `discrete_with_init` step 0 plus those); `logit_normal`
-    # / `uniform` a stratified continuous t under time_shift.
-    timestep_sampling: Literal["fixed", "discrete", "discrete_wo_init", "discrete_with_init", "logit_normal",
-                               "uniform"] = "discrete"
-    num_timesteps: int = Field(6, ge=1)  # K levels per sample (with `fixed`: train.timesteps lists them)
-    timestep_fraction: float = Field(0.9, gt=0, le=1)
-    time_shift: float = Field(3.0, gt=0)  # continuous samplings only
-    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # log p = -w(t, mse)
-    ghuber_power: float = Field(0.25, gt=0)
-    clip_range: float | None = Field(1.0, gt=0)  # PPO clip of exp(log p - log p_old); null: -A log p
-    advantage_max: float = Field(1.0, gt=0)  # A -> clip(A, +-advantage.clip) * advantage_max / advantage.clip
-    ema_beta: float = Field(0.0, ge=0)  # weight of mean((v - v_anchor)^2), the anchor a slow EMA of the policy
-    ema_decay: float = Field(0.3, ge=0, lt=1)
-    ema_decay_type: Literal["linear", "constant"] = "linear"  # linear: min(ema_decay, 0.001 x optimizer steps)
-
-
 class TrainConfig(Section):
     resolution: int = Field(512, gt=0)  # fallback when an item has no height/width
     num_epochs: int = Field(1000, ge=1)
@@ -175,18 +146,20 @@ class TrainConfig(Section):
     optimizer_steps_per_epoch: int = Field(2, ge=1)
     num_inner_epochs: int = Field(1, ge=1)
     loss: str = "ppo"  # a loss of paco_ds/grpo/losses.py (LOSSES)
-    clip_range: float = Field(1e-4, gt=0)
     kl_beta: float = Field(0.0, ge=0)  # KL weight; the reference forward runs only when > 0
     timesteps: list[int] | None = None  # trained step indices; default: sample.noise_steps
-    ratio_norm: bool = False  # GRPO-Guard: RatioNorm + per-step gradient reweighting on PPO-clip
+    # Each built-in loss's own keys, named as the loss (paco_ds/grpo/loss_config.py)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)  # used by loss: ppo
     nft: NFTConfig = Field(default_factory=NFTConfig)  # used by loss: nft
     awm: AWMConfig = Field(default_factory=AWMConfig)  # used by loss: awm
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
 
     # Renamed keys: an old spelling is refused naming the new one rather than silently ignored.
-    # `beta` alone read as the KL weight next to train.nft.beta, NFT's implicit-policy strength.
-    RENAMED: ClassVar[dict[str, str]] = {"beta": "kl_beta"}
+    # `beta` alone read as the KL weight next to train.nft.beta, NFT's implicit-policy strength;
+    # PPO-clip's keys moved into its own section.
+    RENAMED: ClassVar[dict[str, str]] = {"beta": "kl_beta", "clip_range": "ppo.clip_range",
+                                         "ratio_norm": "ppo.ratio_norm"}
 
     @model_validator(mode="before")
     @classmethod
@@ -194,13 +167,19 @@ class TrainConfig(Section):
         if isinstance(data, dict):
             for old, new in cls.RENAMED.items():
                 if old in data:
-                    raise ValueError(f"train.{old} is now train.{new} (the KL weight to the base model)")
+                    raise ValueError(f"train.{old} is now train.{new}")
         return data
 
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str, info: ValidationInfo) -> str:
         return check_name(v, info, "losses", "loss")
+
+    @property
+    def loss_section(self) -> LossSection | None:
+        """train.<loss>, the active built-in loss's section (None for a loss outside paco_ds)."""
+        section = getattr(self, self.loss, None)
+        return section if isinstance(section, LossSection) else None
 
 
 class TestConfig(Section):
@@ -398,8 +377,8 @@ class Config(Recipe):
         check_top_logprobs({f"rewards.{split}.terms.{name}": t.kwargs for split, rs in
                             (("train", self.rewards.train), ("test", self.rewards.test)) if rs is not None
                             for name, t in rs.terms.items()}, self.reward_servers)
-        if self.train.loss == "awm":
-            self._awm_checks()
+        if self.train.loss_section is not None:
+            self.train.loss_section.check(self)
         steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above
         late = [j for j in self.sample.noise_steps if j >= self.sample.num_steps]
         if late and self.sample.sde_window is None:
@@ -416,38 +395,12 @@ class Config(Recipe):
                                  f"sample.num_steps={self.sample.num_steps}")
             if self.train.timesteps is not None:
                 raise ValueError("train.timesteps: leave unset with sample.sde_window (the window is trained)")
-        if self.train.loss == "nft" and (self.train.ratio_norm or win is not None):
-            raise ValueError("train.loss=nft trains on clean latents: train.ratio_norm and sample.sde_window "
-                             "apply to SDE log-prob losses only")
-        if self.train.ratio_norm and self.sample.sde_type != "flow_grpo":
-            raise ValueError("train.ratio_norm normalises Gaussian log-ratios: it needs sample.sde_type=flow_grpo")
         if self.sample.noise_level > 0 and win is None:
             quiet = [j for j in steps if j not in self.sample.noise_steps]
             if quiet:
                 raise ValueError(f"train.timesteps {quiet} are not in sample.noise_steps {self.sample.noise_steps}: "
                                  "an ODE step has no log-probability")
         return self
-
-    def _awm_checks(self) -> None:
-        awm, n = self.train.awm, self.sample.num_steps
-        if self.train.ratio_norm or self.sample.sde_window is not None:
-            raise ValueError("train.loss=awm trains on clean latents: train.ratio_norm and sample.sde_window "
-                             "apply to SDE log-prob losses only")
-        if awm.timestep_sampling == "fixed":
-            steps = self.train_timesteps
-            if not steps or any(j >= n for j in steps):
-                raise ValueError(f"train.timesteps {steps}: train.awm.timestep_sampling=fixed trains these step "
-                                 f"indices; give at least one, each < sample.num_steps={n}")
-            return
-        if self.train.timesteps is not None:
-            raise ValueError(f"train.timesteps: only with train.awm.timestep_sampling=fixed (with "
-                             f"{awm.timestep_sampling}, train.awm.num_timesteps levels are drawn)")
-        if awm.timestep_sampling.startswith("discrete"):
-            end, k = int(n * awm.timestep_fraction), awm.num_timesteps
-            room = end - 1 if awm.timestep_sampling == "discrete_wo_init" else end  # strata of width >= 1
-            if k > room:
-                raise ValueError(f"train.awm.num_timesteps={k}: {awm.timestep_sampling} draws distinct steps below "
-                                 f"sample.num_steps x train.awm.timestep_fraction = {end}; at most {room}")
 
     @property
     def train_timesteps(self) -> list[int]:

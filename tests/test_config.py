@@ -16,7 +16,7 @@ def test_flux_t2is_recipe_has_the_paper_values():
     assert (c.train.resolution, c.test.resolution) == (512, 1024)
     assert (c.sample.group_size, c.sample.prompts_per_epoch) == (16, 42)
     assert c.sample.noise_steps == [1] and c.sample.noise_level == 0.7 and c.sample.num_steps == 10
-    assert c.train.clip_range == 1e-4 and c.train.kl_beta == 0 and c.train.learning_rate == 3e-4
+    assert c.train.ppo.clip_range == 1e-4 and c.train.kl_beta == 0 and c.train.learning_rate == 3e-4
     weights = {k: v.weight for k, v in c.rewards.train.terms.items()}
     assert weights == {"consistency_score": 0.2, "subfig_clipT": 1.0, "pickscore": 1.0}
     assert c.train_timesteps == [1]

@@ -28,7 +28,8 @@ from statistics import NormalDist
 import torch
 
 import kernels
-from paco_ds.config import AWMConfig, Config
+from paco_ds.config import Config
+from paco_ds.grpo.loss_config import AWMConfig
 from paco_ds.grpo.losses import Loss, OldPolicy, RolloutNeeds
 from paco_ds.models.base import Policy
 from paco_ds.sampling.rollout import make_generator

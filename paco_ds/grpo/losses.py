@@ -9,7 +9,7 @@ keep weights of its own (DiffusionNFT's old policy) without the trainer knowing 
 - `ppo` (PaCo-GRPO, Flow-GRPO): PPO-clip on the SDE transition log-probs of the noised steps,
   against log pi_old recorded at sampling; one forward with grad per sample and step, plus a
   forward with the adapter disabled for the KL to the base model only when `train.kl_beta > 0`.
-  With `train.ratio_norm` (GRPO-Guard, arXiv 2510.22319): the log-ratio gets its bias back and
+  With `train.ppo.ratio_norm` (GRPO-Guard, arXiv 2510.22319): the log-ratio gets its bias back and
   is scaled by the transition std (RatioNorm), the step's term is divided by its dt (gradient
   reweighting); the rollout also keeps the sampling transition mean mu_old (no extra forward).
 - `nft` (DiffusionNFT, arXiv 2509.16117): flow matching on the forward process of the clean
@@ -134,7 +134,7 @@ class PPOClip(Loss):
     first_of_epoch = ("ratio",)  # 1 before the first update of the epoch: a check that old == current
 
     def __init__(self, cfg: Config, policy: Policy):
-        self.guard = cfg.train.ratio_norm
+        self.guard = cfg.train.ppo.ratio_norm
         # The fp32 transition mean is only needed for the KL term and GRPO-Guard's bias.
         self.return_mean = cfg.train.kl_beta > 0 or self.guard
         self.needs = RolloutNeeds(log_probs=True, mean_old=self.guard)
@@ -148,7 +148,7 @@ class PPOClip(Loss):
         dev = step.log_prob.device
         old = batch.log_prob[:, t].to(dev)
         if not self.guard:
-            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, batch.advantages.to(dev), cfg.train.clip_range,
+            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, batch.advantages.to(dev), cfg.train.ppo.clip_range,
                                                 cfg.advantage.clip, backend=cfg.kernels.backend)
         else:
             dt = (batch.sigma[:, t] - batch.sigma_next[:, t]).to(dev).float()
@@ -156,7 +156,7 @@ class PPOClip(Loss):
             # Gradient reweighting: the step's PPO term / dt; folded into the (already clipped)
             # advantages, which is exact since dt > 0 and the max of the PPO term is linear in A.
             adv = batch.advantages.to(dev).float().clamp(-cfg.advantage.clip, cfg.advantage.clip) / dt
-            loss, stats = kernels.ppo_clip_loss(z, torch.zeros_like(z), adv, cfg.train.clip_range, math.inf,
+            loss, stats = kernels.ppo_clip_loss(z, torch.zeros_like(z), adv, cfg.train.ppo.clip_range, math.inf,
                                                 backend=cfg.kernels.backend)
             # every sample's t-th trained step is the same step j unless windows are drawn per group
             label = f"guard/step{int(batch.steps[0, t])}" if cfg.sample.sde_window is None or \

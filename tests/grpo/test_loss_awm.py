@@ -199,7 +199,7 @@ def test_recipe_validates_and_plans_k_levels_per_sample():
     (["train.awm.num_timesteps=6"], "train.awm.num_timesteps"),  # 5 strata below 6 x 0.9
     (["train.timesteps=[1]"], "train.timesteps"),  # only with fixed
     (["train.awm.timestep_sampling=fixed", "train.timesteps=[6]"], "train.timesteps"),
-    (["train.ratio_norm=true"], "train.ratio_norm"),
+    (["train.ppo.ratio_norm=true"], "train.ppo.ratio_norm"),
     (["train.awm.weighting=cubic"], "train.awm.weighting"),
     (["train.awm.clip_range=0"], "train.awm.clip_range"),
 ])

@@ -85,8 +85,8 @@ def test_sde_window_is_seeded_in_range_and_per_group():
 
 @pytest.mark.parametrize("sets, msg", [
     (["sample.sde_window={size: 4, range: [0, 3]}"], "must fit"),
-    (["train.loss=nft", "train.ratio_norm=true"], "nft"),
-    (["train.ratio_norm=true", "sample.sde_type=cps"], "flow_grpo"),
+    (["train.loss=nft", "train.ppo.ratio_norm=true"], "nft"),
+    (["train.ppo.ratio_norm=true", "sample.sde_type=cps"], "flow_grpo"),
 ])
 def test_invalid_combinations_are_config_errors(sets, msg):
     from paco_ds.errors import ConfigError
@@ -100,7 +100,7 @@ def test_invalid_combinations_are_config_errors(sets, msg):
 def test_recipes_validate(recipe):
     cfg = load_config(recipe)
     assert cfg.train.loss in ("ppo", "nft")
-    assert cfg.train.ratio_norm or cfg.train.loss == "nft" or cfg.sample.sde_window is not None
+    assert cfg.train.ppo.ratio_norm or cfg.train.loss == "nft" or cfg.sample.sde_window is not None
 
 
 def test_the_epoch_line_prints_what_the_loss_reports():
