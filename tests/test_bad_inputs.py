@@ -213,9 +213,10 @@ def test_the_old_kl_weight_key_names_the_new_one():
         load_config(TINY, ["train.kl_beta=-1"])
 
 
-def test_the_old_kl_weight_key_is_one_line_in_the_dry_run():
-    line = one_line_error(_dry_run("train.beta=0.04"))
-    assert "train.beta is now train.kl_beta" in line
+@pytest.mark.parametrize("old, new", [("train.beta=0.04", "train.kl_beta"), ("train.clip_range=0.2", "train.ppo.clip_range")])
+def test_a_renamed_key_is_one_line_in_the_dry_run(old, new):
+    line = one_line_error(_dry_run(old))
+    assert f"{old.split('=')[0]} is now {new}" in line
 
 
 # ------------------------------------------------------------------------------------ advantages that are all 0

@@ -1,6 +1,8 @@
 """The import graph of the library: no cycles (lazy imports included) and the layering docs/design.md
 describes (the recipe schema at the bottom, kernels depending on nothing in paco_ds)."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -77,6 +79,7 @@ def test_layers():
     assert graph["paco_ds.config"] <= {"paco_ds.recipe", "paco_ds.serving.config", "paco_ds.grpo.loss_config",
                                       "paco_ds.errors"}
     assert graph["paco_ds.recipe"] <= {"paco_ds.errors"}
+    assert graph["paco_ds.grpo.loss_config"] == set()  # the losses' sections: pydantic only
     assert "paco_ds.grpo.trainer" not in {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps}
     # The sigma schedule is the policy's (paco_ds/models/schedule.py): models never import sampling.
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps
@@ -86,6 +89,14 @@ def test_layers():
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps
                 if d.startswith("paco_ds.sampling")}
 
+
+
+def test_the_recipe_schema_imports_no_torch():
+    # The schema, the built-in losses' sections included, stays light: pydantic, not torch.
+    out = subprocess.run([sys.executable, "-c", "import sys, paco_ds.config; print(sorted(m for m in sys.modules "
+                          "if m.split('.')[0] in ('torch', 'kernels') or m.startswith('paco_ds.models')))"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def _trainer_private_names() -> set[str]:

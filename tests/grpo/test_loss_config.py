@@ -1,0 +1,76 @@
+"""The built-in losses' recipe sections (paco_ds/grpo/loss_config.py): `train.ppo`, `train.nft` and
+`train.awm` validate their own keys, PPO-clip's old top-level keys name their new place, and each
+loss's cross-checks run for that loss, naming the keys."""
+import re
+
+import pytest
+
+from paco_ds.errors import ConfigError
+from paco_ds.grpo.plan import load_config
+
+TINY = "configs/tiny/t2is.yaml"
+AWM = "configs/tiny/t2is_awm.yaml"
+
+
+def _error(recipe: str, sets: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe, sets)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("loss", ["ppo", "nft", "awm"])
+def test_an_unknown_key_in_a_loss_section_is_refused_naming_it(loss):
+    assert f"unknown config key 'train.{loss}.clip_rang'" in _error(TINY, [f"train.{loss}.clip_rang=0.1"])
+
+
+def test_an_unknown_ppo_key_suggests_the_known_one():
+    assert "did you mean 'train.ppo.clip_range'?" in _error(TINY, ["train.ppo.clip_rang=0.1"])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train.ppo.clip_range", "0"), ("train.ppo.ratio_norm", "maybe"),
+    ("train.nft.decay_type", "3"), ("train.nft.beta", ".nan"),
+    ("train.awm.time_shift", "-1"), ("train.awm.weighting", "cubic"),
+])
+def test_a_bad_value_names_its_loss_key(key, value):
+    assert f"config key '{key}'" in _error(TINY, [f"{key}={value}"])
+
+
+def test_ppo_keys_live_in_train_ppo():
+    cfg = load_config(TINY, ["train.ppo.clip_range=0.2", "train.ppo.ratio_norm=true"])
+    assert (cfg.train.ppo.clip_range, cfg.train.ppo.ratio_norm) == (0.2, True)
+    assert cfg.train.loss_section is cfg.train.ppo
+    awm = load_config(AWM)
+    assert awm.train.loss_section is awm.train.awm
+    # A loss outside paco_ds has no built-in section.
+    assert load_config(TINY, ["train.loss=mypackage.losses:MyLoss"]).train.loss_section is None
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("clip_range", "ppo.clip_range", "0.2"), ("ratio_norm", "ppo.ratio_norm", "true"), ("beta", "kl_beta", "0.04"),
+])
+def test_a_renamed_train_key_names_the_new_one(old, new, value):
+    assert f"train.{old} is now train.{new}" in _error(TINY, [f"train.{old}={value}"])
+
+
+@pytest.mark.parametrize("recipe, sets, keys", [
+    (TINY, ["train.loss=nft", "train.ppo.ratio_norm=true"], ["train.loss=nft", "train.ppo.ratio_norm"]),
+    (TINY, ["train.loss=nft", "sample.sde_window={size: 1, range: [0, 2]}"], ["train.loss=nft", "sample.sde_window"]),
+    (TINY, ["train.ppo.ratio_norm=true", "sample.sde_type=cps"], ["train.ppo.ratio_norm", "sample.sde_type=flow_grpo"]),
+    (AWM, ["train.ppo.ratio_norm=true"], ["train.loss=awm", "train.ppo.ratio_norm"]),
+    (AWM, ["train.awm.timestep_sampling=fixed"], ["train.timesteps", "train.awm.timestep_sampling=fixed"]),
+    (AWM, ["train.timesteps=[1]"], ["train.timesteps", "train.awm.timestep_sampling=fixed"]),
+    (AWM, ["train.awm.num_timesteps=6"], ["train.awm.num_timesteps=6", "train.awm.timestep_fraction"]),
+])
+def test_each_loss_cross_check_names_its_keys(recipe, sets, keys):
+    msg = _error(recipe, sets)
+    assert all(k in msg for k in keys), msg
+
+
+def test_a_section_is_checked_only_for_its_own_loss():
+    # 6 distinct steps below 6 x 0.9 cannot be drawn, but AWM does not run: PPO-clip trains.
+    assert load_config(TINY, ["sample.num_steps=6", "train.awm.num_timesteps=6"]).train.awm.num_timesteps == 6
+    with pytest.raises(ConfigError, match=re.escape("train.awm.num_timesteps=6")):
+        load_config(TINY, ["sample.num_steps=6", "train.awm.num_timesteps=6", "train.loss=awm"])
