@@ -5,7 +5,7 @@ DATA = {  # data folder -> the files it ships
     "paco_ds.data.prompts": ["*.jsonl"],  # the tiny T2IS prompts
     "paco_ds.data.prompts.tiny_edit": ["*.jsonl"],  # the tiny editing set
     "paco_ds.data.prompts.tiny_edit.images": ["*.png"],
-    "paco_ds.models.configs": ["*.json"],  # tiny model configs and tokenizer vocabularies
+    "paco_ds.models.tiny.configs": ["*.json"],  # tiny model configs and tokenizer vocabularies
 }
 
 setup(

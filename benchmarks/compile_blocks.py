@@ -1,5 +1,5 @@
 """`model.compile` on the reduced-depth, full-width FLUX transformer (1 double + 2 single blocks at
-FLUX.1-dev's width, paco_ds/models/tiny.py), CPU, fp32, LoRA r64 on PaCo-RL's targets.
+FLUX.1-dev's width, paco_ds/models/tiny/flux.py), CPU, fp32, LoRA r64 on PaCo-RL's targets.
 
 Times one sampling call (no grad, a batch of 4 at 128 px: 64 image + 64 text tokens) and one
 training step (batch 1, forward and backward) eager and compiled, interleaved (A, B, A, B: the
@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
     from paco_ds.models.compile import compile_blocks
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
-    from paco_ds.models.tiny import REDUCED_FLUX_TRANSFORMER
+    from paco_ds.models.tiny.flux import REDUCED_FLUX_TRANSFORMER
 
     torch.manual_seed(0)
     eager = FluxTransformer2DModel(**REDUCED_FLUX_TRANSFORMER)

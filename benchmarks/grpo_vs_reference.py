@@ -1,7 +1,7 @@
 """paco_ds's GRPO epoch against the reference's schedule of work: same model, same batch, one run.
 
 Both paths run one full epoch (sample -> reward -> advantage -> train, with real AdamW steps on
-the same LoRA) of a reduced-depth, full-width FLUX (`paco_ds.models.tiny.save_flux_folder`:
+the same LoRA) of a reduced-depth, full-width FLUX (`paco_ds.models.tiny.flux.save_flux_folder`:
 24 heads x 128, T5 width 4096, 1 double + 2 single blocks, ~0.67B parameters):
 
   (a) paco_ds   the library's own pieces: `sample_trajectories` (prompts encoded once per sample,
@@ -133,7 +133,7 @@ def load_policy(args, device):
     if args.quick:
         cfg = ModelConfig(tiny=True)
     else:
-        from paco_ds.models.tiny import save_flux_folder
+        from paco_ds.models.tiny.flux import save_flux_folder
 
         cfg = ModelConfig(path=str(save_flux_folder(args.model_dir)), max_sequence_length=args.max_sequence_length)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # :956-957 (and model.allow_tf32)

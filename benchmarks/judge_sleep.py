@@ -36,7 +36,7 @@ def wide_judge(path: Path, hidden: int, layers: int) -> int:
     """The tiny Qwen2.5-VL with a wider, deeper text model, saved as a checkpoint; returns its bytes."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from paco_ds.models.tiny import tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
     tiny, processor = tiny_qwen2_5_vl()
     cfg = tiny.config

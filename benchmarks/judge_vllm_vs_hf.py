@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         print(f"--vllm-python {args.vllm_python} is not an interpreter with vLLM (make vllm-setup)", file=sys.stderr)
         return 2
     info = machine()
-    from paco_ds.models.tiny import save_tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 
     runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
     with tempfile.TemporaryDirectory(prefix="paco_tiny_judge_") as tmp:

@@ -2,7 +2,7 @@
 
     python benchmarks/zero3_load.py             # reduced full-width FLUX (0.67B), 2 ranks, bf16
 
-The folder is written once with `paco_ds.models.tiny.save_flux_folder` (REDUCED_FLUX_TRANSFORMER:
+The folder is written once with `paco_ds.models.tiny.flux.save_flux_folder` (REDUCED_FLUX_TRANSFORMER:
 FLUX.1-dev's width, 1 double + 2 single blocks) under runs/ (git-ignored). Each mode starts 2 fresh
 ranks with the deepspeed launcher (CPU, gloo), which do what the trainer does:
   naive        FluxPolicy.load(cfg, device): the whole transformer on every rank, partitioned
@@ -163,7 +163,7 @@ def main() -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from _common import machine, write_report
-    from paco_ds.models.tiny import REDUCED_FLUX_TRANSFORMER, save_flux_folder
+    from paco_ds.models.tiny.flux import REDUCED_FLUX_TRANSFORMER, save_flux_folder
 
     machine_info = machine()
     t0 = time.perf_counter()

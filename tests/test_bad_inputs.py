@@ -256,7 +256,7 @@ def test_the_tiny_recipes_still_load_and_plan():
 # ------------------------------------------------------------------------------------ reward-model SFT
 @pytest.fixture(scope="module")
 def processor():
-    from paco_ds.models.tiny import tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
     return tiny_qwen2_5_vl()[1]
 

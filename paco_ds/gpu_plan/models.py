@@ -4,7 +4,7 @@ The values are those of the published checkpoints' config files (model_index / c
 black-forest-labs/FLUX.1-dev and FLUX.1-Kontext-dev, Qwen/Qwen-Image-Edit,
 stabilityai/stable-diffusion-3.5-medium, google T5-XXL v1.1 as FLUX and SD3.5 ship it, openai CLIP ViT-L/14 text tower, Qwen2.5-VL-7B-Instruct, laion CLIP-ViT-H-14 for
 PickScore_v1, open_clip's bundled ViT-H-14). Each is built on the meta device (no memory) and
-turned into fake CUDA tensors (fake.py); the tokenizers are the offline ones of models/tiny.py,
+turned into fake CUDA tensors (fake.py); the tokenizers are the offline ones of models/tiny/,
 padded to the real lengths, so every tensor on the device path has its real shape.
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ def qwen_edit_parts(mode: FakeCuda, dtype: torch.dtype) -> dict:
     from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
                               Qwen2VLVideoProcessor)
 
-    from paco_ds.models.tiny import QWEN2_VL_CHAT_TEMPLATE
+    from paco_ds.models.tiny.qwen_vl import QWEN2_VL_CHAT_TEMPLATE
 
     tok, config = qwen_vl_config()
     processor = Qwen2_5_VLProcessor(

@@ -64,7 +64,7 @@ class FluxPolicy(Policy):
         small enough that `deepspeed.initialize` partitioning it afterwards costs nothing."""
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.tiny:
-            from paco_ds.models.tiny import tiny_flux_components
+            from paco_ds.models.tiny.flux import tiny_flux_components
 
             parts = tiny_flux_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
             max_len = min(cfg.max_sequence_length, 64)

@@ -104,7 +104,7 @@ class QwenEditPolicy(Policy):
         transformer partitioned from the start under ZeRO-3; or the tiny offline parts."""
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.tiny:
-            from paco_ds.models.tiny_qwen_image import tiny_qwen_edit_components
+            from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
 
             parts = tiny_qwen_edit_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
         else:

@@ -108,7 +108,7 @@ class SD3Policy(Policy):
         partitioned from the start under ZeRO-3 (zero_load.py); or the tiny offline parts."""
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.tiny:
-            from paco_ds.models.tiny_sd3 import tiny_sd3_components
+            from paco_ds.models.tiny.sd3 import tiny_sd3_components
 
             parts = tiny_sd3_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
             max_len = min(cfg.max_sequence_length, 64)

@@ -9,7 +9,7 @@ score is the head's output, about 1-10. The prompt is not used.
 
 `head` is a local file or an http(s) URL of the head's state dict (a URL is fetched once into torch
 hub's cache; the default is the predictor repository's file). With `tiny: true`, the repository's
-tiny CLIP (models/tiny.py) and a random head of the same shape as the real one on its embedding size.
+tiny CLIP (models/tiny/clip.py) and a random head of the same shape as the real one on its embedding size.
 """
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ class Aesthetic(Reward):
     def __init__(self, model: str = CLIP, head: str = HEAD, tiny: bool = False, device: str = "cpu",
                  batch_size: int = 32, dtype: str = "float32"):
         if tiny:
-            from paco_ds.models.tiny import seeded, tiny_clip_model
+            from paco_ds.models.tiny import seeded
+            from paco_ds.models.tiny.clip import tiny_clip_model
 
             self.model, self.processor = tiny_clip_model()
             with seeded(1):

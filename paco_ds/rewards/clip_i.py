@@ -20,7 +20,8 @@ class ClipI(Reward):
         import open_clip
 
         if tiny:
-            from paco_ds.models.tiny import register_tiny_open_clip, seeded
+            from paco_ds.models.tiny import seeded
+            from paco_ds.models.tiny.clip import register_tiny_open_clip
 
             model = register_tiny_open_clip()
             with seeded(0):

@@ -19,7 +19,7 @@ class PickScore(Reward):
     def __init__(self, model: str = MODEL, processor: str = PROCESSOR, tiny: bool = False, device: str = "cpu",
                  batch_size: int = 16):
         if tiny:
-            from paco_ds.models.tiny import tiny_clip_model
+            from paco_ds.models.tiny.clip import tiny_clip_model
 
             self.model, self.processor = tiny_clip_model()
         else:

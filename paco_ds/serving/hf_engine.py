@@ -113,7 +113,7 @@ class Engine:
                            ("cpu" if device == "auto" else device))
         torch_dtype = resolve_dtype(dtype, dev)
         if tiny:
-            from paco_ds.models.tiny import tiny_qwen2_5_vl
+            from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
             model, processor = tiny_qwen2_5_vl()
         else:

@@ -1,5 +1,5 @@
 """The tiny judge's shape, as numbers both the serving config (its checks at load) and the tiny
-model builder (paco_ds.models.tiny) read; nothing imported, so either may import it."""
+model builder (paco_ds.models.tiny.qwen_vl) read; nothing imported, so either may import it."""
 
 # Its text attention: vLLM's CPU attention only has kernels for head sizes 32, 64, 80, 96, 112,
 # 128, 160, 192, 224, 256 and 512 (a head size of 16 starts, then kills the server on its first

@@ -51,7 +51,7 @@ def write_tiny_base(path: Path, seed: int) -> None:
     become likely. Scaled, the logits span a few nats, as a trained model's do."""
     from transformers.utils import logging as hf_logging
 
-    from paco_ds.models.tiny import tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
     if (path / "config.json").is_file():
         return

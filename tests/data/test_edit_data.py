@@ -82,7 +82,7 @@ def test_tiny_edit_files_are_package_data(tmp_path):
                           "egg_info", "-e", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "would be ignored" not in out.stdout + out.stderr, out.stderr[-2000:]
-    data = {p.relative_to(REPO).as_posix() for folder in ("paco_ds/data/prompts", "paco_ds/models/configs")
+    data = {p.relative_to(REPO).as_posix() for folder in ("paco_ds/data/prompts", "paco_ds/models/tiny/configs")
             for p in (REPO / folder).rglob("*") if p.suffix in (".jsonl", ".json", ".png")}
     built = {p.relative_to(tmp_path / "build").as_posix() for p in (tmp_path / "build").rglob("*")
              if p.suffix in (".jsonl", ".json", ".png")}

@@ -375,7 +375,7 @@ def test_an_image_over_the_pixel_limit_is_a_400_naming_the_limit(size):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
-    from paco_ds.models.tiny import save_tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
     from paco_ds.serving.hf_engine import Engine
 
     return Engine.load(str(save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("judge"))), max_model_len=512)

@@ -70,7 +70,7 @@ def test_adapter_disabled_is_the_base_model(tiny_policy):
 def test_lora_exports_in_the_format_flux_pipeline_loads(tiny_policy, tiny_cfg, tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from paco_ds.models.tiny import tiny_flux_components
+    from paco_ds.models.tiny.flux import tiny_flux_components
 
     path = export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_metadata(tiny_policy.transformer))
     assert path.name == "pytorch_lora_weights.safetensors"

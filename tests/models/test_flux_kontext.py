@@ -102,7 +102,7 @@ def test_condition_ids_and_latents_are_the_kontext_pipelines(policy):
     from PIL import Image
 
     from paco_ds.models.flux_kontext import resize_to
-    from paco_ds.models.tiny import tiny_flux_components
+    from paco_ds.models.tiny.flux import tiny_flux_components
 
     parts = tiny_flux_components(tiny_cfg().tiny_spec, seed=0)
     pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config")), **parts)
@@ -205,7 +205,7 @@ def test_lora_export_loads_into_flux_kontext_pipeline(policy, tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
     from PIL import Image
 
-    from paco_ds.models.tiny import tiny_flux_components
+    from paco_ds.models.tiny.flux import tiny_flux_components
 
     state = lora_state_dict(policy.transformer)
     path = export_lora(state, tmp_path, adapter_metadata(policy.transformer))
@@ -252,7 +252,7 @@ def test_zero3_load_goes_through_the_partitioned_builder(tmp_path, monkeypatch):
 
     import paco_ds.models.flux as flux
     from paco_ds.models.flux_kontext import KontextPolicy
-    from paco_ds.models.tiny import save_flux_folder
+    from paco_ds.models.tiny.flux import save_flux_folder
 
     small = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,

@@ -172,7 +172,7 @@ def test_sigmas_are_qwen_schedulers(policy):
     exponential shift, stretched to a last sigma of 0.02), mu from the target's tokens."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from paco_ds.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+    from paco_ds.models.tiny.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
     from paco_ds.models.schedule import calculate_mu
 
     sched = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
@@ -188,7 +188,7 @@ def test_sigmas_are_qwen_schedulers(policy):
 
 
 def test_lora_export_loads_into_qwen_image_edit_pipeline(policy, tmp_path):
-    from paco_ds.models.tiny_qwen_image import tiny_qwen_edit_pipeline
+    from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_pipeline
 
     path = export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_metadata(policy.transformer))
     pipe = tiny_qwen_edit_pipeline(seed=0)
@@ -212,7 +212,7 @@ def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path):
     gives the same policy as the tiny builder."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from paco_ds.models.tiny_qwen_image import tiny_qwen_edit_components
+    from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
 
     parts = tiny_qwen_edit_components(seed=0)
     for name in ("transformer", "vae", "text_encoder", "processor"):

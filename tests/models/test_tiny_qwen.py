@@ -3,7 +3,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from paco_ds.models.tiny import qwen_tokenizer, save_tiny_qwen2_5_vl, tiny_qwen2_5_vl
+from paco_ds.models.tiny import qwen_tokenizer
+from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl, tiny_qwen2_5_vl
 
 
 def test_tiny_qwen_roundtrip_and_yes_no_tokens(tmp_path):

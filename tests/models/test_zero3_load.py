@@ -23,13 +23,13 @@ SMALL_FLUX = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_l
 
 @pytest.fixture(scope="module")
 def sharded_folder(tmp_path_factory):
-    from paco_ds.models.tiny import save_flux_folder
+    from paco_ds.models.tiny.flux import save_flux_folder
 
     return save_flux_folder(tmp_path_factory.mktemp("flux") / "small", SMALL_FLUX, max_shard_size="100KB")
 
 
 def test_save_flux_folder_reused_only_with_same_arguments(sharded_folder):
-    from paco_ds.models.tiny import save_flux_folder
+    from paco_ds.models.tiny.flux import save_flux_folder
 
     assert save_flux_folder(sharded_folder, SMALL_FLUX, max_shard_size="100KB") == sharded_folder
     with pytest.raises(ValueError, match="other arguments"):

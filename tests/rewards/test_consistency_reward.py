@@ -20,7 +20,7 @@ from conftest import REPO, shared_file
 from paco_ds.config import RewardSet
 from paco_ds.errors import RewardError
 from paco_ds.images import split_panels, split_prompt
-from paco_ds.models.tiny import tiny_qwen2_5_vl
+from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 from paco_ds.rewards.consistency import (EDIT_CONSISTENCY_TEMPLATE, EDIT_FOLLOWING_TEMPLATE, PAIR_TEMPLATE_V0,
                                          PAIR_TEMPLATE_V1, data_uri, yes_probability)
 from paco_ds.rewards.registry import build_reward

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO
-from paco_ds.models.tiny import save_tiny_qwen2_5_vl
+from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 

@@ -202,7 +202,8 @@ def test_hf_engine_refuses_max_logprobs_above_the_vocabulary_at_start():
 def test_tiny_judge_has_the_head_size_and_vocabulary_the_checks_assume():
     """The numbers the config checks read are the built model's: a head size vLLM's CPU attention
     has kernels for, and the vocabulary top_logprobs is checked against."""
-    from paco_ds.models.tiny import qwen_tokenizer, tiny_qwen2_5_vl
+    from paco_ds.models.tiny import qwen_tokenizer
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
     model, _ = tiny_qwen2_5_vl()
     text = model.config.text_config

@@ -49,7 +49,7 @@ def test_mistakes_are_one_line_with_the_place(tmp_path):
 def test_lora_targets_all_linear_layers_of_the_language_model():
     from torch import nn
 
-    from paco_ds.models.tiny import tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
     from paco_ds.sft.model import lora_targets
 
     model, _ = tiny_qwen2_5_vl()

@@ -12,7 +12,7 @@ from paco_ds.sft.data import (IGNORE_INDEX, Collator, Encoder, SFTDataset, eval_
 
 @pytest.fixture(scope="module")
 def processor():
-    from paco_ds.models.tiny import tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
     return tiny_qwen2_5_vl()[1]
 

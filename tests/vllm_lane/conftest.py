@@ -55,7 +55,7 @@ def servers_config(engine: str, judge_dir: Path, **kw):
 @pytest.fixture(scope="session")
 def judge_dir(tmp_path_factory) -> Path:
     """The tiny judge as a checkpoint folder: both engines load these weights."""
-    from paco_ds.models.tiny import save_tiny_qwen2_5_vl
+    from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 
     return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_judge"))
 

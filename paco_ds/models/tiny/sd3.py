@@ -4,19 +4,17 @@ The real classes at toy sizes: SD3Transformer2DModel (2 joint blocks, the first 
 second image attention, RMS query/key norm), two CLIPTextModelWithProjection of different widths
 (CLIP-L and CLIP-G, two layers each so the penultimate hidden states are a real layer's), a T5
 encoder wider than both CLIPs together (their features are zero-padded to its width), the offline
-tokenizers of tiny.py and SD3.5's scheduler config. The autoencoder is the tiny 8x one the FLUX
-parts use (a random AutoencoderKL's images hardly depend on the latents; see tiny.py).
+tokenizers of this package and SD3.5's scheduler config. The autoencoder is the tiny 8x one the
+FLUX parts use (a random AutoencoderKL's images hardly depend on the latents; see
+`tiny_autoencoder`).
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
-import torch
-
 from paco_ds.config import TinyModelConfig
-from paco_ds.models.tiny import clip_tokenizer, seeded, t5_tokenizer
+from paco_ds.models.tiny import clip_tokenizer, seeded, t5_tokenizer, tiny_autoencoder
 
 # stabilityai/stable-diffusion-3.5-medium, scheduler/scheduler_config.json
 SD3_SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0}
@@ -26,14 +24,12 @@ def tiny_sd3_components(spec: TinyModelConfig | None = None, seed: int = 0) -> d
     """transformer, vae, text_encoder (CLIP-L), text_encoder_2 (CLIP-G), text_encoder_3 (T5),
     tokenizer .. tokenizer_3, scheduler_config: the keyword arguments of SD3Policy (and, with a
     scheduler, of StableDiffusion3Pipeline)."""
-    from diffusers import AutoencoderTiny, SD3Transformer2DModel
+    from diffusers import SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     spec = spec or TinyModelConfig()
-    # Copies, one per encoder as SD3.5 ships them: a fast tokenizer sets its padding and truncation
-    # on the shared Rust object at every call, so one shared with a reward scored in another thread
-    # (the tiny PickScore uses the same cached CLIP tokenizer) can pad a prompt to another length.
-    tok, tok2, tok3 = copy.deepcopy(clip_tokenizer()), copy.deepcopy(clip_tokenizer()), copy.deepcopy(t5_tokenizer())
+    # One tokenizer per encoder, as SD3.5 ships them (each call returns its own copy).
+    tok, tok2, tok3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
     d = spec.text_dim
     width_l, width_g, width_t5 = d // 2, d, 2 * d  # CLIP-L < CLIP-G, T5 wider than both together
 
@@ -50,15 +46,7 @@ def tiny_sd3_components(spec: TinyModelConfig | None = None, seed: int = 0) -> d
             joint_attention_dim=width_t5, caption_projection_dim=spec.attention_head_dim * spec.num_attention_heads,
             pooled_projection_dim=width_l + width_g, out_channels=spec.latent_channels, pos_embed_max_size=32,
             dual_attention_layers=(0,), qk_norm="rms_norm")
-        vae = AutoencoderTiny(
-            in_channels=3, out_channels=3, latent_channels=spec.latent_channels,
-            encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
-            num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1), scaling_factor=spec.latent_scaling)
-        with torch.no_grad():
-            for part, gain in ((vae.decoder, spec.decoder_gain), (vae.encoder, spec.encoder_gain)):
-                for m in part.modules():
-                    if isinstance(m, torch.nn.Conv2d):
-                        m.weight.mul_(gain)
+        vae = tiny_autoencoder(spec)
         text_encoder, text_encoder_2 = clip(width_l), clip(width_g)
         text_encoder_3 = T5EncoderModel(T5Config(
             vocab_size=len(tok3), d_model=width_t5, d_kv=width_t5 // 2, d_ff=2 * width_t5, num_layers=1, num_heads=2,

@@ -2,13 +2,15 @@
 
 The real architectures at toy sizes: `QwenImageTransformer2DModel` (patch 2, as the real one),
 `AutoencoderKLQwenImage` with the real 8x downsampling (three spatial downsamples, causal 3D
-convolutions on one frame), and the tiny Qwen2.5-VL of paco_ds/models/tiny.py with its processor
+convolutions on one frame), and the tiny Qwen2.5-VL of qwen_vl.py with its processor
 (patches 14, 2x2 merge: 28-pixel units) as the prompt-and-image encoder. The scheduler config is
 Qwen-Image's own, so the tiny policy's sigma schedule at a given image size is the real one.
 """
 from __future__ import annotations
 
 from paco_ds.config import TinyModelConfig
+from paco_ds.models.tiny import seeded
+from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
 # Qwen/Qwen-Image(-Edit) scheduler/scheduler_config.json: exponential dynamic shift between 0.5
 # (256 tokens) and 0.9 (8192 tokens), and the schedule stretched so its last non-zero sigma is 0.02.
@@ -26,8 +28,6 @@ TINY_VL_MAX_PIXELS = 512 * 512
 def tiny_qwen_edit_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
     """transformer, vae, text_encoder (Qwen2.5-VL), processor, scheduler_config."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-
-    from paco_ds.models.tiny import seeded, tiny_qwen2_5_vl
 
     spec = spec or TinyModelConfig()
     text_encoder, processor = tiny_qwen2_5_vl(seed, max_pixels=TINY_VL_MAX_PIXELS)
