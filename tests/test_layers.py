@@ -84,6 +84,11 @@ def test_layers():
     # The sigma schedule is the policy's (paco_ds/models/schedule.py): models never import sampling.
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps
                 if d.startswith("paco_ds.sampling")}
+    # The offline tiny builders (paco_ds/models/tiny/) import no policy: a policy reaches for its
+    # tiny twin only when a recipe asks for it.
+    tiny = {m for m in graph if m.startswith("paco_ds.models.tiny")}
+    assert {"paco_ds.models.tiny", "paco_ds.models.tiny.flux", "paco_ds.models.tiny.sd3"} <= tiny
+    assert not {d for m in tiny for d in graph[m] if d.startswith("paco_ds.models") and d not in tiny}
     # The image helpers are the ground floor: nothing from paco_ds, and rewards reach no sampling code.
     assert not {d for d in graph["paco_ds.images"] if d.startswith("paco_ds")}
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps
