@@ -1,8 +1,9 @@
 """Tiny random-weight CLIP backbones of the local rewards, built from configs (no hub access).
 
-`register_tiny_open_clip` adds a toy open_clip architecture (configs/paco-tiny-clip.json, the
-CLIP-I and sub-figure CLIP-T rewards create it with random weights); `tiny_clip_model` is a toy
-transformers CLIPModel with its processor (the PickScore and aesthetic rewards' architecture).
+`register_tiny_open_clip` adds a toy open_clip architecture
+(paco_ds/models/tiny/configs/paco-tiny-clip.json; the CLIP-I and sub-figure CLIP-T rewards create
+it with random weights); `tiny_clip_model` is a toy transformers CLIPModel with its processor (the
+PickScore and aesthetic rewards' architecture).
 """
 from __future__ import annotations
 
