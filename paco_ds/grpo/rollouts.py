@@ -21,7 +21,8 @@ from paco_ds.data import PromptItem, read_reference
 from paco_ds.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
-from paco_ds.sampling.rollout import Trajectory, make_generator, sample_trajectories
+from paco_ds.sampling.rollout import Trajectory, make_generator, ode_prefix, sample_trajectories
+from paco_ds.sampling.solver import plan_for
 from paco_ds.sampling.window import rollout_steps
 
 Pick = tuple[PromptItem, int, int]  # (item, prompt group id, position)
@@ -35,13 +36,19 @@ class Rollouts:
     `needs` (the loss's RolloutNeeds): what a training rollout keeps."""
 
     def __init__(self, cfg: Config, policy: Policy, sde: Callable | None = None, *, module: torch.nn.Module | None = None,
-                 gather_once: bool = False, train_timesteps: Sequence[int] = (), needs=None):
+                 gather_once: bool = False, train_timesteps: Sequence[int] = (), needs=None, share_prefix: bool = False):
         self.cfg, self.policy = cfg, policy
         self.sde = sde if sde is not None else partial(kernels.sde_step, backend=cfg.kernels.backend)
         self._module = module
         self.gather_once = gather_once
         self.train_timesteps = list(train_timesteps)
         self.needs = needs
+        self.plan = plan_for(cfg)
+        # sample.share_prefix with same_latent: per prompt group of the epoch, its latents up to its first SDE step
+        self.share_prefix = share_prefix and cfg.sample.same_latent
+        self._prefixes: dict[tuple, dict[int, torch.Tensor]] = {}
+        self._prefix_epoch = None
+        self.transformer_calls = 0  # rows x steps sampled so far (the plan and the shared prefixes make it smaller)
 
     @contextlib.contextmanager
     def module(self) -> Iterator[torch.nn.Module]:
@@ -86,15 +93,52 @@ class Rollouts:
         x0 = self.policy.initial_latents(len(picks), h, w,
                                          [make_generator(seed, "latent", epoch, k) for k in latent_keys])
         condition = self.condition([it for it, _, _ in picks], h, w)
+        embeds = self.policy.encode_prompts(prompts, condition)
         noise_steps, train_steps = rollout_steps(cfg, epoch, [gid for _, gid, _ in picks], self.train_timesteps)
+        start = 0
+        if self.share_prefix:
+            x0, start = self._shared_prefix(module, picks, h, w, epoch, x0, embeds, condition, noise_steps)
+        self.transformer_calls += len(picks) * sum(1 for st in self.plan if st.i >= start)
         return sample_trajectories(
-            self.policy, module, prompts, self.policy.encode_prompts(prompts, condition), h, w, condition=condition,
+            self.policy, module, prompts, embeds, h, w, condition=condition,
             num_steps=cfg.sample.num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
             noise_steps=noise_steps, train_steps=train_steps if self.needs.log_probs else [],
             generators=[make_generator(seed, "noise", epoch, pos) for _, _, pos in picks], initial_latents=x0,
             sde_type=cfg.sample.sde_type, sde_fn=self.sde, keep_final=self.needs.clean_latents,
             keep_mean=self.needs.mean_old, metadata=[it.metadata for it, _, _ in picks],
-            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks])
+            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks], plan=self.plan, start=start)
+
+    def _shared_prefix(self, module, picks: list[Pick], h: int, w: int, epoch: int, x0: torch.Tensor, embeds,
+                       condition, noise_steps) -> tuple[torch.Tensor, int]:
+        """(the batch's latents at schedule index `start`, start): with one initial latent per group,
+        a group's samples are equal until its first SDE step, so those steps run once per group (for
+        the first of its samples this rank samples) and every later sample of the group starts from
+        the stored latents. `start` is the batch's earliest first SDE step (every step before it is an
+        ODE step for the whole batch)."""
+        cfg = self.cfg
+        if self._prefix_epoch != epoch:
+            self._prefixes, self._prefix_epoch = {}, epoch
+        n = cfg.sample.num_steps
+        per_sample = bool(noise_steps) and isinstance(noise_steps[0], (list, tuple))
+        first = [min(noise_steps[r] if per_sample else noise_steps, default=n) if cfg.sample.noise_level > 0 else n
+                 for r in range(len(picks))]
+        start = min(first)
+        if start == 0:
+            return x0, 0
+        keys = [(gid, h, w) for _, gid, _ in picks]
+        todo = {}  # group key -> the batch row that walks its prefix
+        for r, key in enumerate(keys):
+            if key not in self._prefixes:
+                todo.setdefault(key, r)
+        if todo:
+            rows = list(todo.values())
+            walked = ode_prefix(self.policy, module, x0[rows], embeds.select(rows), h, w, num_steps=n, plan=self.plan,
+                                ends=[first[r] for r in rows], guidance=cfg.sample.guidance_scale, sde_fn=self.sde,
+                                sde_type=cfg.sample.sde_type,
+                                condition=condition.select(rows) if condition is not None else None)
+            self._prefixes.update(zip(todo, walked))
+            self.transformer_calls += len(rows) * sum(1 for st in self.plan if st.k <= max(first[r] for r in rows))
+        return torch.stack([self._prefixes[key][start] for key in keys]).to(x0.device, x0.dtype), start
 
     def sample_test(self, module, picks: list[Pick], h: int, w: int) -> Trajectory:
         """One evaluation batch: ODE steps (test.num_steps), noise from a generator per prompt

@@ -74,6 +74,7 @@ class EpochSamples:
     trajectories: list[Trajectory] = field(default_factory=list)
     advantages: list[torch.Tensor] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)
+    transformer_calls: int = 0  # rows x steps the rollouts ran the transformer for (this rank)
 
     def batch(self, entries: list[tuple[int, int]], fillers: list[bool]) -> TrainingBatch:
         """The training batch of these (rollout batch, sample) entries; a filler trains nothing
@@ -136,9 +137,13 @@ class GRPOTrainer:
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
         # Rollouts sample with the loss's SDE step, through the engine (or the transformer gathered once).
+        # A shared group prefix makes ranks run different numbers of forwards: only where a forward
+        # needs no collective (ZeRO-3 gathers per step under rollout_gather=per_step).
+        per_step_gather = zero_stage(self.ds_config) == 3 and cfg.deepspeed.rollout_gather == "per_step"
         self.rollouts = Rollouts(cfg, self.policy, self.loss.sde, module=self.engine,
                                  gather_once=zero_stage(self.ds_config) == 3 and cfg.deepspeed.rollout_gather == "once",
-                                 train_timesteps=self.plan.train_timesteps, needs=self.loss.needs)
+                                 train_timesteps=self.plan.train_timesteps, needs=self.loss.needs,
+                                 share_prefix=cfg.sample.share_prefix and not per_step_gather)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         # cluster.colocate: the judges share the trainers' devices, awake for evaluation, sampling
         # and scoring, asleep for training (paco_ds/serving/sleep.py has the protocol).
@@ -187,6 +192,8 @@ class GRPOTrainer:
                 t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
                 samples = self.sample_epoch()
                 t_sample = time.perf_counter() - t0
+                # what sample.ode_steps and sample.share_prefix save shows here
+                metrics["sample/transformer_calls"] = float(sum(all_gather_object(samples.transformer_calls)))
                 self.policy.park_text_encoders(True)  # the epoch's embeddings are cached: off the GPU until next epoch
                 metrics |= self.score_epoch(samples)
                 t_reward = time.perf_counter() - t0 - t_sample
@@ -257,6 +264,7 @@ class GRPOTrainer:
     def sample_epoch(self) -> EpochSamples:
         cfg, out = self.cfg, EpochSamples()
         batches = self.sampler.rank_batches(self.epoch)
+        calls = self.rollouts.transformer_calls
         with self.loss.sampling(), self.rollouts.module() as module:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
                 picks = [(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)]
@@ -266,6 +274,7 @@ class GRPOTrainer:
                     self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, self.rollouts.references(traj))
                     out.trajectories.append(traj)
                 self._check_preemption()  # every rank has the same number of rollout batches
+        out.transformer_calls = self.rollouts.transformer_calls - calls
         return out
 
     # ------------------------------------------------------------------------------------ 2-3. reward, advantage

@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels.sde_reference import sde_step
 from paco_ds.models.base import Condition, Policy, TextEmbeds
+from paco_ds.sampling.solver import Step, multistep_velocity, unit_steps
 
 
 def make_generator(*keys) -> torch.Generator:
@@ -67,9 +68,9 @@ def sample_trajectories(
     policy: Policy, module: nn.Module, prompts: list[str], embeds: TextEmbeds, height: int, width: int, *,
     num_steps: int, guidance: float, noise_level: float, noise_steps: list[int], train_steps: list[int],
     generators: list[torch.Generator], initial_latents: torch.Tensor | None = None, sde_type: str = "flow_grpo",
-    sde_fn: Callable = sde_step, on_step: Callable[[int], None] | None = None, condition: Condition | None = None,
-    keep_final: bool = False, keep_mean: bool = False, metadata: list[dict] | None = None,
-    positions: list[int] | None = None, group_ids: list[int] | None = None,
+    sde_fn: Callable = sde_step, condition: Condition | None = None, keep_final: bool = False,
+    keep_mean: bool = False, metadata: list[dict] | None = None, positions: list[int] | None = None,
+    group_ids: list[int] | None = None, plan: list[Step] | None = None, start: int = 0,
 ) -> Trajectory:
     """Run the sampler for one batch; with noise_level 0 and no train steps this is pure ODE (eval).
 
@@ -79,7 +80,9 @@ def sample_trajectories(
     `noise_steps` / `train_steps` may hold one list per sample (Flow-GRPO-Fast windows per prompt
     group): a step is then stochastic for the samples whose list has it and ODE for the others.
     `metadata`, `positions`, `group_ids`: each sample's (default: no metadata, its own group at its
-    index in the batch)."""
+    index in the batch). `plan`: the steps (default one per schedule step; paco_ds/sampling/solver.py
+    walks ODE-only stretches in fewer); `start`: the schedule index `initial_latents` are at (a
+    group's shared prefix already walked, see paco_ds/grpo/rollouts.py)."""
     b = len(prompts)
     sigmas = policy.sigmas(num_steps, height, width)
     x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)
@@ -90,9 +93,19 @@ def sample_trajectories(
     noisy = [set(n) for n in noise_steps] if per_sample else [set(noise_steps)] * b
     trained = [list(t) for t in train_steps] if per_sample and train_steps else [list(train_steps)] * b
     kept: list[list[tuple]] = [[] for _ in range(b)]  # per sample: (x_j, x_{j+1}, log pi, mean) of its trained steps
-    for i in range(num_steps):
-        s, s_next = sigmas[i].item(), sigmas[i + 1].item()
-        v = policy.velocity(module, x, torch.full((b,), s), embeds_dev, height, width, guidance, condition=cond_dev)
+    plan = [st for st in (plan or unit_steps(num_steps)) if st.i >= start]
+    if plan and plan[0].multistep:
+        raise ValueError(f"a rollout cannot start at index {start}, inside a multistep ODE stretch")
+    single = {st.i for st in plan if st.k == st.i + 1}
+    off_plan = sorted(set().union(*map(set, trained), *(noisy if noise_level > 0 else [])) - single)
+    if off_plan:
+        raise ValueError(f"steps {off_plan} are SDE or trained steps inside an ODE stretch walked in fewer steps")
+    walk = OdeWalk(sigmas)
+    for st in plan:
+        i = st.i
+        s, s_next = sigmas[i].item(), sigmas[st.k].item()
+        v = walk.velocity(st, policy.velocity(module, x, torch.full((b,), s), embeds_dev, height, width, guidance,
+                                              condition=cond_dev))
         rows = [r for r in range(b) if i in noisy[r]] if noise_level > 0 else []
         if len(rows) in (0, b):  # the whole batch takes the same kind of step
             level = noise_level if rows else 0.0
@@ -119,8 +132,6 @@ def sample_trajectories(
                 kept[r].append((x[r].cpu(), x_next[r].cpu(), lp[at[r]],
                                 mean[at[r]].float().cpu() if keep_mean else None))
         x = x_next
-        if on_step is not None:
-            on_step(i)
     images = policy.decode(x, height, width)
     positions = list(range(b)) if positions is None else list(positions)
     kept_steps = {}
@@ -139,6 +150,44 @@ def sample_trajectories(
                       height=height, width=width, embeds=embeds.to("cpu"), images=images,
                       condition=condition.to("cpu") if condition is not None else None,
                       x_final=x.cpu() if keep_final else None, **kept_steps)
+
+
+class OdeWalk:
+    """The velocity each step of a plan takes: the model's, or for a multistep (ab2) step the
+    Adams-Bashforth combination with the previous step's."""
+
+    def __init__(self, sigmas: torch.Tensor):
+        self.sigmas, self.prev = sigmas, None  # prev: (v, h) of the last step
+
+    def velocity(self, st: Step, v: torch.Tensor) -> torch.Tensor:
+        h = self.sigmas[st.k].item() - self.sigmas[st.i].item()
+        out = multistep_velocity(v, *self.prev, h) if st.multistep else v
+        self.prev = (v, h)
+        return out
+
+
+@torch.no_grad()
+def ode_prefix(policy: Policy, module: nn.Module, x: torch.Tensor, embeds: TextEmbeds, height: int, width: int, *,
+               num_steps: int, plan: list[Step], ends: list[int], guidance: float, sde_fn: Callable = sde_step,
+               sde_type: str = "flow_grpo", condition: Condition | None = None) -> list[dict[int, torch.Tensor]]:
+    """The ODE steps of `plan` from x (at index 0) for each sample r up to schedule index ends[r]:
+    per sample, its latent (on CPU) at each index the plan reaches on the way, ends[r] included."""
+    sigmas = policy.sigmas(num_steps, height, width)
+    embeds_dev = embeds.to(policy.device)
+    cond_dev = condition.to(policy.device) if condition is not None else None
+    out = [{0: x[r].cpu()} for r in range(len(ends))]
+    walk = OdeWalk(sigmas)
+    for st in plan:
+        if st.k > max(ends):
+            break
+        v = walk.velocity(st, policy.velocity(module, x, torch.full((x.shape[0],), sigmas[st.i].item()), embeds_dev,
+                                              height, width, guidance, condition=cond_dev))
+        x = sde_fn(x, v, sigmas[st.i].item(), sigmas[st.k].item(), 0.0, sigmas[1].item(),
+                   sde_type=sde_type).prev_sample.to(x.dtype)
+        for r, end in enumerate(ends):
+            if st.k <= end:
+                out[r][st.k] = x[r].cpu()
+    return out
 
 
 def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, guidance: float,

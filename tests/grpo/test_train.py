@@ -78,6 +78,8 @@ def test_ratio_is_exactly_one_on_the_first_micro_step_and_one_forward_per_step(f
     for r in (r for r in metrics(full_run) if "time/epoch" in r):
         assert r["train/ratio_first"] == 1.0
         assert r["train/forwards_per_step"] == 1.0  # beta = 0: no reference forward
+        # noise at every step (sample.noise_steps 0..5): nothing is shared or walked in fewer steps
+        assert r["sample/transformer_calls"] == 2 * 4 * 6  # 2 prompts x 4 images x 6 steps
         assert r["train/ratio"] != 1.0  # the second optimizer step sees the updated policy
 
 

@@ -1,0 +1,137 @@
+"""Cheaper rollouts that train the same thing: ODE-only stretches walked in fewer steps
+(sample.ode_steps / sample.ode_solver) and a group's shared prefix under sample.same_latent
+(sample.share_prefix), against the plain sampler on the tiny FLUX policy."""
+import pytest
+import torch
+from conftest import TINY
+
+from paco_ds.data import PromptItem
+from paco_ds.grpo.losses import RolloutNeeds
+from paco_ds.grpo.plan import load_config
+from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.sampling.rollout import transition_log_prob
+from paco_ds.sampling.solver import Step, multistep_velocity, ode_stretches, step_plan
+
+SIZE = 64
+
+
+def cfg_with(*overrides):
+    return load_config(TINY, ["sample.num_steps=8", "sample.noise_level=0.7", *overrides])
+
+
+# ------------------------------------------------------------------------------------ the plan
+def test_stretches_come_from_the_recipe():
+    assert ode_stretches(cfg_with("sample.noise_steps=[1]")) == [(0, 1), (2, 8)]
+    assert ode_stretches(cfg_with("sample.noise_steps=[2, 3]")) == [(0, 2), (4, 8)]
+    # an SDE window may lie anywhere in its range: only the steps outside the range are ODE-only
+    assert ode_stretches(cfg_with("sample.sde_window={size: 2, range: [1, 5]}")) == [(0, 1), (5, 8)]
+    assert ode_stretches(cfg_with("sample.noise_level=0")) == [(0, 8)]  # an ODE rollout (nft, awm)
+
+
+def test_plan_walks_only_the_ode_stretches_in_fewer_steps():
+    assert step_plan(8, [(0, 1), (2, 8)]) == [Step(i, i + 1) for i in range(8)]
+    plan = step_plan(8, [(0, 1), (2, 8)], "ab2", ode_steps=3)
+    assert [(st.i, st.k) for st in plan] == [(0, 1), (1, 2), (2, 4), (4, 6), (6, 8)]
+    assert [st.multistep for st in plan] == [False, False, False, True, True]  # each stretch starts with Euler
+    plan = step_plan(10, [(0, 3), (5, 10)], "euler", ode_steps=2)
+    assert [(st.i, st.k) for st in plan] == [(0, 1), (1, 3), (3, 4), (4, 5), (5, 7), (7, 10)]
+    assert not any(st.multistep for st in plan)
+    assert step_plan(8, [(0, 8)], ode_steps=1) == [Step(0, 8)]
+
+
+def test_ab2_is_exact_where_euler_is_not():
+    """For a velocity linear in sigma, two-step Adams-Bashforth integrates exactly (second order)."""
+    a, b = torch.tensor([0.3, -1.0]), torch.tensor([2.0, 0.5])
+    sig = [1.0, 0.7, 0.45, 0.2, 0.0]
+    x_ab2 = x_euler = torch.zeros(2)
+    prev = None
+    for s, s_next in zip(sig, sig[1:]):
+        v, h = a + b * s, s_next - s
+        x_ab2 = x_ab2 + h * (multistep_velocity(v, *prev, h) if prev else v)
+        x_euler = x_euler + h * v
+        prev = (v, h)
+    exact = a * (0 - 1) + b * (0 - 1) / 2  # integral of a + b s from 1 to 0
+    # The first step is Euler (no history), whose error AB2 carries; the rest add none.
+    first_err = (a + b * 1.0) * (0.7 - 1.0) - (a * (0.7 - 1.0) + b * (0.49 - 1.0) / 2)
+    torch.testing.assert_close(x_ab2 - exact, first_err, rtol=0, atol=1e-6)
+    assert (x_euler - exact).abs().max() > 2 * first_err.abs().max()
+
+
+# ------------------------------------------------------------------------------------ rollouts
+def picks_of(groups: list[int], k: int):
+    items = [PromptItem(prompt) for prompt in ("a red fox in snow", "two cups of tea", "a lighthouse at dusk")]
+    return [(items[g], g, g * k + j) for g in groups for j in range(k)]
+
+
+def rollouts(policy, cfg, **kwargs):
+    return Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps, **kwargs)
+
+
+def test_fewer_ode_steps_keep_every_sde_step_and_its_log_prob(tiny_policy):
+    base = cfg_with("sample.noise_steps=[1]", "sample.share_prefix=false")
+    fast = cfg_with("sample.noise_steps=[1]", "sample.share_prefix=false", "sample.ode_solver=ab2", "sample.ode_steps=2")
+    picks = picks_of([0, 1], 1)
+    plain, cheap = rollouts(tiny_policy, base), rollouts(tiny_policy, fast)
+    a = plain.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=0)
+    b = cheap.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=0)
+    assert (plain.transformer_calls, cheap.transformer_calls) == (2 * 8, 2 * (1 + 1 + 2))
+    # the SDE step j=1 follows the one-step head stretch, an Euler step either way: the same x_j
+    assert torch.equal(a.x_t, b.x_t) and torch.equal(a.x_next, b.x_next) and torch.equal(a.log_prob, b.log_prob)
+    assert not torch.equal(a.images, b.images)  # the tail [2, 8) took 2 steps instead of 6
+    # the final latents stay close to the full-step sampler's (a coarse walk of the same ODE)
+    err = (a.images.float() - b.images.float()).abs().mean() / 255
+    assert err < 0.05, err
+    # training recomputes log pi_old from the stored transition exactly, as with the plain sampler
+    with torch.no_grad():
+        step = transition_log_prob(tiny_policy, tiny_policy.transformer, b, 0, slice(None), guidance=fast.sample.guidance_scale,
+                                   noise_level=fast.sample.noise_level, sde_fn=cheap.sde)
+    assert torch.equal(step.log_prob.float(), b.log_prob[:, 0])
+
+
+def test_a_trained_step_inside_a_shortened_stretch_is_refused(tiny_policy):
+    from paco_ds.sampling.rollout import sample_trajectories
+
+    cfg = cfg_with("sample.noise_steps=[1]")
+    prompts = ["a red fox in snow"]
+    with pytest.raises(ValueError, match="inside an ODE stretch walked in fewer steps"):
+        sample_trajectories(tiny_policy, tiny_policy.transformer, prompts, tiny_policy.encode_prompts(prompts), SIZE,
+                            SIZE, num_steps=8, guidance=3.5, noise_level=0.7, noise_steps=[4], train_steps=[4],
+                            generators=[torch.Generator().manual_seed(0)], plan=step_plan(8, [(2, 8)], ode_steps=2))
+    assert cfg.sample.ode_steps is None  # the recipe's plan never does this: its stretches hold no SDE step
+
+
+@pytest.mark.parametrize("window", [None, "{size: 2, range: [2, 6], per: group}"])
+def test_a_shared_group_prefix_gives_the_same_images_bitwise(tiny_policy, window):
+    """One rollout batch per sample (sample.batch_size 1): each sample's prefix is a batch of one
+    either way, so sharing it is exact to the bit, with per-group SDE windows too."""
+    extra = ["sample.noise_steps=[3]"] if window is None else [f"sample.sde_window={window}"]
+    shared_cfg = cfg_with("sample.same_latent=true", *extra)
+    plain_cfg = cfg_with("sample.same_latent=true", "sample.share_prefix=false", *extra)
+    plain, shared = rollouts(tiny_policy, plain_cfg), rollouts(tiny_policy, shared_cfg, share_prefix=True)
+    picks = picks_of([0, 1], 3)
+    for epoch in (0, 1):  # the prefixes of one epoch are not those of the next
+        for p in picks:
+            a = plain.sample(tiny_policy.transformer, [p], SIZE, SIZE, epoch)
+            b = shared.sample(tiny_policy.transformer, [p], SIZE, SIZE, epoch)
+            assert torch.equal(a.images, b.images) and torch.equal(a.x_t, b.x_t)
+            assert torch.equal(a.log_prob, b.log_prob)
+    assert shared.transformer_calls < plain.transformer_calls
+    if window is None:  # 3 prefix steps once per group (2 groups) instead of once per sample (6), per epoch
+        assert plain.transformer_calls - shared.transformer_calls == 2 * 3 * (6 - 2)
+
+
+def test_a_shared_prefix_in_a_batch_moves_a_sample_no_more_than_its_batch_does(tiny_policy):
+    """With several samples per rollout batch, the prefix runs in a smaller batch than the
+    sample's own; matrix products on fewer rows may round differently, by no more than moving the
+    sample into another batch already does."""
+    extra = ("sample.same_latent=true", "sample.noise_steps=[3]")
+    plain, shared = rollouts(tiny_policy, cfg_with(*extra, "sample.share_prefix=false")), \
+        rollouts(tiny_policy, cfg_with(*extra), share_prefix=True)
+    picks = picks_of([0, 1], 2)
+    a = plain.sample(tiny_policy.transformer, picks, SIZE, SIZE, 0)
+    b = shared.sample(tiny_policy.transformer, picks, SIZE, SIZE, 0)
+    alone = torch.cat([plain.sample(tiny_policy.transformer, [p], SIZE, SIZE, 0).x_t for p in picks])
+    batch_effect = (a.x_t - alone).abs().max()
+    assert (a.x_t - b.x_t).abs().max() <= max(4 * batch_effect, 1e-6)
+    assert torch.equal(b.x_t[0], b.x_t[1])  # the group's two samples start their SDE step from one latent
+    assert (a.images.float() - b.images.float()).abs().max() <= 1  # uint8 images: at most a rounding flip
