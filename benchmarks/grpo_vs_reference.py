@@ -4,7 +4,7 @@ Both paths run one full epoch (sample -> reward -> advantage -> train, with real
 the same LoRA) of a reduced-depth, full-width FLUX (`paco_ds.models.tiny.flux.save_flux_folder`:
 24 heads x 128, T5 width 4096, 1 double + 2 single blocks, ~0.67B parameters):
 
-  (a) paco_ds   the library's own pieces: `sample_trajectories` (prompts encoded once per sample,
+  (a) paco_ds   the library's own pieces: the trainer's `Rollouts` (prompts encoded once per sample,
                 log pi_old recorded at sampling, one VAE decode), a RewardRunner with overlap (each
                 batch is scored while the next one samples), `transition_log_prob` (one transformer
                 forward with grad per trained step at beta = 0, on the cached text embeddings) and
@@ -17,14 +17,29 @@ the same LoRA) of a reduced-depth, full-width FLUX (`paco_ds.models.tiny.flux.sa
                 sampling, and per trained step three transformer forwards (default with grad, old
                 and LoRA-disabled ref without) that each re-run both text encoders.
 
-Gradient work is the same in both: one backward per trained step, the same accumulation, two
-AdamW steps per epoch with gradient clipping at 1.0. The two paths alternate order over the
-repeats; images/s = images / median epoch time. Forward counts come from hooks on the
+(a) also runs with each rollout switch that leaves every trained step as it is (its x_j, x_{j+1},
+sigmas and log pi_old; only the untrained steps change), each variant one more epoch per repeat:
+
+  paco_ds+ode          sample.ode_solver=ab2, sample.ode_steps=--ode-steps: the ODE-only stretch after
+                       the noise step (2..steps) in fewer transformer calls (its final image, and so its
+                       reward, is the ab2 solver's, not the plain Euler sampler's);
+  paco_ds+same_latent  sample.same_latent (one initial latent per group) with share_prefix off: the same
+                       work as (a), the baseline of the next one (the reference's recipe and (a) draw one
+                       latent per image, so the prefix has nothing to share there);
+  paco_ds+prefix       sample.same_latent + sample.share_prefix: a group's steps before its first SDE step
+                       (step 0 here) walked once per group; images identical to paco_ds+same_latent's.
+
+model.compile (regional torch.compile) is not run here: its compile takes minutes per shape on CPU;
+benchmarks/compile_blocks.py measures it (benchmarks/results/compile_blocks_cpu.json).
+
+Gradient work is the same in all: one backward per trained step, the same accumulation, two
+AdamW steps per epoch with gradient clipping at 1.0. The paths and variants alternate order over
+the repeats; images/s = images / median epoch time. Forward counts come from hooks on the
 transformer, the T5 encoder and the VAE decoder. Writes benchmarks/results/grpo_vs_reference_<cpu|cuda>.json.
 
-    python benchmarks/grpo_vs_reference.py --repeats 2                 # CPU defaults: 128 px, 6 steps
-    python benchmarks/grpo_vs_reference.py --device cuda               # 512 px, 10 steps (the paper's)
-    python benchmarks/grpo_vs_reference.py --quick                     # tiny model, seconds (the test)
+    python benchmarks/grpo_vs_reference.py --repeats 2                 # CPU defaults: 128 px, 6 steps, ode_steps 2
+    python benchmarks/grpo_vs_reference.py --device cuda               # 512 px, 10 steps (the paper's), ode_steps 3
+    python benchmarks/grpo_vs_reference.py --quick                     # tiny model, 4 steps, seconds (the test)
 """
 from __future__ import annotations
 
@@ -43,11 +58,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, RESULTS, machine, write_report  # noqa: E402  (puts the repository on sys.path)
 
 MODEL_DIR = REPO / "runs" / "grpo_vs_reference" / "flux_reduced"  # git-ignored; written once
+RECIPE = REPO / "configs" / "flux_t2is.yaml"  # (a)'s Rollouts read their sample section from the paper's recipe
+RECIPE_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
+               "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl"]
 GUIDANCE, NOISE_LEVEL, NOISE_STEPS = 3.5, 0.7, [1]  # PaCo-RL/PaCo-GRPO/config/grpo.py, t2is
 CLIP_RANGE, ADV_CLIP, BETA = 1e-4, 5.0, 0.0  # compute_ppo_loss (:157-244), config/base.py
 LR, BETAS, WD, EPS, MAX_GRAD_NORM = 3e-4, (0.9, 0.999), 1e-4, 1e-8, 1.0  # AdamW (:959-978)
 OPT_STEPS_PER_EPOCH = 2  # config/grpo.py: gradient_step_per_epoch = 2
 REWARD = "jpeg_compressibility"  # a local reward, the same object type for both paths
+COMPILE_SOURCE = "benchmarks/results/compile_blocks_cpu.json"
 REWARD_BATCH_SIZE = 4  # config/grpo.py: sample.reward_batch_size = min(4 * batch_size, 8)
 
 PROMPTS = ["a red fox in fresh snow, watercolor", "a lighthouse on a cliff at dusk, oil painting",
@@ -72,8 +91,17 @@ SIMPLIFICATIONS = [
     "the same tiny text encoders (one thin CLIP and T5 layer): re-encoding costs far less here than with "
     "T5-XXL, so the cost of re-encoding in compute_log_prob is understated",
     "no EMA, no eval, no checkpoint, no W&B image logging in either path",
-    "the same initial latents and noise in both (the reference uses the global RNG)",
+    "the same initial latents and noise in both (the reference uses the global RNG); paco_ds+same_latent and "
+    "paco_ds+prefix draw one initial latent per group instead",
 ]
+
+# (a)'s variants: the sample.* overrides of each (on top of the benchmark's shape); {ode_steps} is --ode-steps
+PACO_VARIANTS = {
+    "paco_ds": [],
+    "paco_ds+ode": ["sample.ode_solver=ab2", "sample.ode_steps={ode_steps}"],
+    "paco_ds+same_latent": ["sample.same_latent=true", "sample.share_prefix=false"],
+    "paco_ds+prefix": ["sample.same_latent=true", "sample.share_prefix=true"],
+}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -180,7 +208,8 @@ def make_batch(args):
 def generators(rep: int, positions):
     from paco_ds.sampling.rollout import make_generator
 
-    latent = [make_generator(0, "latent", rep, p) for p in positions]
+    # the keys Rollouts uses without same_latent (seed 0, epoch = repeat): (a) and (b) start alike
+    latent = [make_generator(0, "latent", rep, f"p{p}") for p in positions]
     return latent, [make_generator(0, "noise", rep, p) for p in positions]
 
 
@@ -193,36 +222,49 @@ def clip_and_step(params, opt):
 
 
 # ---------------------------------------------------------------------------------------------- (a)
-def epoch_paco(ctx, rep: int) -> dict:
+def paco_rollouts(policy, args, variant: str):
+    """The trainer's Rollouts (paco_ds/grpo/rollouts.py) for one of (a)'s variants: the paper's recipe
+    with this benchmark's shape, seed 0 (so epoch e's latents and noise are the reference's at repeat e)."""
+    import kernels
+    from paco_ds.grpo.losses import RolloutNeeds
+    from paco_ds.grpo.plan import load_config
+    from paco_ds.grpo.rollouts import Rollouts
+
+    overrides = [o.format(ode_steps=args.ode_steps) for o in PACO_VARIANTS[variant]]
+    cfg = load_config(RECIPE, RECIPE_DATA + [
+        "seed=0", f"sample.num_steps={args.steps}", f"sample.guidance_scale={GUIDANCE}",
+        f"sample.noise_level={NOISE_LEVEL}", f"sample.noise_steps={NOISE_STEPS}", f"kernels.backend={args.backend}",
+        "sample.same_latent=false", "sample.share_prefix=false", *overrides])
+    sde = partial(kernels.sde_step, backend=args.backend, return_mean=BETA > 0)  # the mean only for the KL term
+    return Rollouts(cfg, policy, sde, train_timesteps=NOISE_STEPS, needs=RolloutNeeds(log_probs=True),
+                    share_prefix=cfg.sample.share_prefix)
+
+
+def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
     """paco_ds's epoch, with the library's pieces (as paco_ds/grpo/trainer.py composes them)."""
     import numpy as np
     import torch
 
     import kernels
-    from paco_ds.sampling.rollout import gather_samples, sample_trajectories, transition_log_prob
+    from paco_ds.data import PromptItem
+    from paco_ds.sampling.rollout import gather_samples, transition_log_prob
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_a"]
-    module = policy.transformer
-    sde = partial(kernels.sde_step, backend=args.backend, return_mean=BETA > 0)  # the mean only for the KL term
+    rollouts = ctx["rollouts"][variant]
+    sde = rollouts.sde
     times = {}
+    calls0 = rollouts.transformer_calls
     t0, c0 = clock.now(), time.process_time()
     # 1. sample: each batch's prompts encoded once, the embeddings kept for training; the VAE decodes
     # once inside sample_trajectories and the images go to the reward workers at once (overlap).
-    module.eval()
     trajs = []
-    with counters.counting("a/sample"):
+    with counters.counting(f"{variant}/sample"), rollouts.module() as module:
         for b0 in range(0, len(ctx["picks"]), args.batch_size):
-            picks = ctx["picks"][b0:b0 + args.batch_size]
-            prompts = [p for p, _, _ in picks]
-            lat_gens, noise_gens = generators(rep, [pos for _, _, pos in picks])
-            x0 = policy.initial_latents(len(picks), ctx["h"], ctx["w"], lat_gens)
-            traj = sample_trajectories(policy, module, prompts, policy.encode_prompts(prompts), ctx["h"], ctx["w"],
-                                       num_steps=args.steps, guidance=GUIDANCE, noise_level=NOISE_LEVEL,
-                                       noise_steps=NOISE_STEPS, train_steps=NOISE_STEPS, generators=noise_gens,
-                                       initial_latents=x0, sde_fn=sde, group_ids=[g for _, g, _ in picks],
-                                       positions=[pos for _, _, pos in picks])
+            picks = [(PromptItem(p), g, pos) for p, g, pos in ctx["picks"][b0:b0 + args.batch_size]]
+            traj = rollouts.sample(module, picks, ctx["h"], ctx["w"], epoch=rep)
             runner.submit(traj.images, traj.prompts, traj.metadata)
             trajs.append(traj)
+    module = policy.transformer
     t1 = clock.now()
     times["sample_s"] = t1 - t0
     # 2. rewards: what is left after sampling.
@@ -244,7 +286,7 @@ def epoch_paco(ctx, rep: int) -> dict:
     micro = len(entries) * n_steps
     per_opt = micro // OPT_STEPS_PER_EPOCH
     k = 0
-    with counters.counting("a/train"):
+    with counters.counting(f"{variant}/train"):
         for idx in order:
             batch = gather_samples([entries[idx]])
             a = adv[[idx]].to(policy.device)
@@ -256,13 +298,14 @@ def epoch_paco(ctx, rep: int) -> dict:
                 (loss / per_opt).backward()
                 k += 1
                 if k % per_opt == 0:
-                    clip_and_step(ctx["params"], ctx["opt_a"])
+                    clip_and_step(ctx["params"], ctx["opt"][variant])
     t4 = clock.now()
     times["train_s"] = t4 - t3
     times["epoch_s"] = t4 - t0
     times["cpu_s"] = time.process_time() - c0  # all threads of this process
     times["micro_steps"] = micro
     times["trained_steps"] = micro
+    times["rollout_transformer_calls"] = rollouts.transformer_calls - calls0  # Rollouts' own count (rows x steps)
     return times
 
 
@@ -314,7 +357,7 @@ def epoch_reference(ctx, rep: int) -> dict:
     module.set_adapter("old")
     samples = []
     sigmas = policy.sigmas(args.steps, h, w)
-    with counters.counting("b/sample"), torch.no_grad():
+    with counters.counting("reference/sample"), torch.no_grad():
         for b0 in range(0, len(ctx["picks"]), args.batch_size):
             picks = ctx["picks"][b0:b0 + args.batch_size]
             prompts = [p for p, _, _ in picks]
@@ -347,7 +390,7 @@ def epoch_reference(ctx, rep: int) -> dict:
     # reward_compute (:76-153, called at :1252) after all sampling, in chunks of reward_batch_size; each
     # chunk's last latents are decoded again and scored synchronously (submit then .result()).
     scores = []
-    with counters.counting("b/reward"), torch.no_grad():
+    with counters.counting("reference/reward"), torch.no_grad():
         for r0 in range(0, len(samples), REWARD_BATCH_SIZE):
             chunk = samples[r0:r0 + REWARD_BATCH_SIZE]
             last = torch.cat([s["all_latents"][:, -1] for s in chunk])
@@ -372,7 +415,7 @@ def epoch_reference(ctx, rep: int) -> dict:
     micro = len(samples) * len(NOISE_STEPS)
     ga = micro // OPT_STEPS_PER_EPOCH  # accumulation over (sample, timestep) micro-steps (:875-882)
     k = 0
-    with counters.counting("b/train"):
+    with counters.counting("reference/train"):
         for idx in order:
             s = samples[idx]
             batch = {**s, "all_latents": torch.cat([s["all_latents"]]),  # re-batching (:1377-1398)
@@ -395,7 +438,7 @@ def epoch_reference(ctx, rep: int) -> dict:
                 (loss / ga).backward()  # accelerator.backward divides by the accumulation steps
                 k += 1
                 if k % ga == 0:  # sync_gradients (:1449-1455)
-                    clip_and_step(ctx["params"], ctx["opt_b"])
+                    clip_and_step(ctx["params"], ctx["opt"]["reference"])
     sync_old(module)  # :1481-1488
     t4 = clock.now()
     times["train_s"] = t4 - t3
@@ -460,11 +503,14 @@ def summarise(name: str, runs: list[dict], counts: dict, images: int, opt) -> di
         "epoch_s_by_repeat": [r["epoch_s"] for r in runs],
         "calls_per_epoch": per_rep,
         "trained_steps": trained,
+        "sample_forwards_per_image": per_rep.get("sample", {}).get("transformer_forwards", 0) / images,
         "forwards_per_trained_step": train.get("transformer_forwards", 0) / trained,
         "text_encodes_per_trained_step": train.get("text_encodes", 0) / trained,
         "vae_decodes_per_image": sum(c.get("vae_decodes", 0) for c in per_rep.values()) / images,
         "optimizer_steps_per_epoch": OPT_STEPS_PER_EPOCH,
         "adamw_steps_taken": adamw_steps(opt),  # over all repeats: OPT_STEPS_PER_EPOCH x repeats
+        **({"rollout_transformer_calls": runs[0]["rollout_transformer_calls"]} if "rollout_transformer_calls" in runs[0]
+           else {}),
     }
 
 
@@ -474,8 +520,13 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, help="image side (default: 128 on CPU, 512 on cuda, 32 with --quick)")
     p.add_argument("--images", type=int, help="images per epoch (default: 4 on CPU, 32 on cuda)")
     p.add_argument("--group-size", type=int, help="images per prompt (default: 2 on CPU, 16 on cuda)")
-    p.add_argument("--steps", type=int, help="denoising steps (default: 6 on CPU, 10 on cuda); noise step [1]")
-    p.add_argument("--repeats", type=int, help="epochs per path, alternating order (default: 2 on CPU, 3 on cuda)")
+    p.add_argument("--steps", type=int, help="denoising steps (default: 6 on CPU, 10 on cuda, 4 with --quick); "
+                   "noise step [1]")
+    p.add_argument("--ode-steps", type=int,
+                   help="paco_ds+ode's sample.ode_steps: the steps of the ODE-only stretch after the noise step "
+                        "(default: 3 on cuda, 2 on CPU, 1 with --quick; each shorter than that stretch)")
+    p.add_argument("--repeats", type=int,
+                   help="epochs per path and variant, alternating order (default: 2 on CPU, 3 on cuda)")
     p.add_argument("--batch-size", type=int, default=1, help="images per rollout call (the reference's default 1)")
     p.add_argument("--max-sequence-length", type=int,
                    help="T5 tokens (default: 512 on cuda, the reference's; 128 on CPU, which keeps 128 px's "
@@ -486,12 +537,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/grpo_vs_reference_<device>.json)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
-    defaults = ({"resolution": 32, "images": 4, "group_size": 2, "steps": 3, "repeats": 1, "max_sequence_length": 64}
+    # ode_steps < the tail stretch's steps - 2 (2..steps), so paco_ds+ode does walk it in fewer steps
+    defaults = ({"resolution": 32, "images": 4, "group_size": 2, "steps": 4, "ode_steps": 1, "repeats": 1,
+                 "max_sequence_length": 64}
                 if args.quick else
-                {"resolution": 512, "images": 32, "group_size": 16, "steps": 10, "repeats": 3,
+                {"resolution": 512, "images": 32, "group_size": 16, "steps": 10, "ode_steps": 3, "repeats": 3,
                  "max_sequence_length": 512}
                 if cuda else
-                {"resolution": 128, "images": 4, "group_size": 2, "steps": 6, "repeats": 2, "max_sequence_length": 128})
+                {"resolution": 128, "images": 4, "group_size": 2, "steps": 6, "ode_steps": 2, "repeats": 2,
+                 "max_sequence_length": 128})
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -499,6 +553,9 @@ def main(argv=None) -> int:
         p.error("--images must be a multiple of --group-size and of 2 (two optimizer steps per epoch)")
     if args.steps < 3:
         p.error("--steps must be at least 3 (noise step 1 is trained)")
+    if not 1 <= args.ode_steps < args.steps - 2:
+        p.error(f"--ode-steps must be in [1, {args.steps - 3}]: fewer than the {args.steps - 2} steps after "
+                "the noise step")
     machine_info = machine()
 
     import torch
@@ -519,16 +576,17 @@ def main(argv=None) -> int:
     spec = RewardSet(terms={REWARD: {}})
     ctx = {"policy": policy, "args": args, "clock": Clock(device), "counters": Counters(policy), "params": params,
            "h": args.resolution, "w": args.resolution, "picks": make_batch(args),
-           # both: torch AdamW on the `default` adapter (:959-978); one optimizer per path, kept across repeats
-           "opt_a": torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS),
-           "opt_b": torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS),
+           # all: torch AdamW on the `default` adapter (:959-978); one optimizer per path, kept across repeats
+           "opt": {name: torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS)
+                   for name in [*PACO_VARIANTS, "reference"]},
+           "rollouts": {name: paco_rollouts(policy, args, name) for name in PACO_VARIANTS},
            "runner_a": RewardRunner(spec, overlap=True), "runner_b": RewardRunner(spec, overlap=False)}
     n_params = sum(p_.numel() for n, p_ in policy.transformer.named_parameters() if "lora_" not in n)
     print(f"model: {'tiny' if args.quick else args.model_dir} ({n_params / 1e9:.3f}B transformer parameters, "
           f"{policy.dtype}, loaded in {load_s:.1f}s) on {device}; {args.images} images, group {args.group_size}, "
           f"{args.resolution}px, {args.steps} steps, {policy.max_sequence_length} T5 tokens", flush=True)
     warm_up(ctx)
-    paths = {"paco_ds": epoch_paco, "reference": epoch_reference}
+    paths = {**{name: partial(epoch_paco, variant=name) for name in PACO_VARIANTS}, "reference": epoch_reference}
     runs = {name: [] for name in paths}
     try:
         for rep in range(args.repeats):
@@ -536,43 +594,63 @@ def main(argv=None) -> int:
             for name in names:
                 r = paths[name](ctx, rep)
                 runs[name].append(r)
-                print(f"repeat {rep} {name:>9}: epoch {r['epoch_s']:.2f}s (sample {r['sample_s']:.2f}, reward wait "
+                print(f"repeat {rep} {name:>19}: epoch {r['epoch_s']:.2f}s (sample {r['sample_s']:.2f}, reward wait "
                       f"{r['reward_wait_s']:.2f}, train {r['train_s']:.2f})", flush=True)
     finally:
         ctx["runner_a"].close()
         ctx["runner_b"].close()
-    a = summarise("paco_ds", runs["paco_ds"], ctx["counters"].take("a/"), args.images, ctx["opt_a"])
-    b = summarise("reference", runs["reference"], ctx["counters"].take("b/"), args.images, ctx["opt_b"])
-    speedup = a["images_per_sec"] / b["images_per_sec"]
-    speedup_cpu = a["images_per_cpu_sec"] / b["images_per_cpu_sec"]
+    res = {name: summarise(name, runs[name], ctx["counters"].take(name + "/"), args.images, ctx["opt"][name])
+           for name in paths}
+    a, b = res["paco_ds"], res["reference"]
+    vs_reference = {name: r["images_per_sec"] / b["images_per_sec"] for name, r in res.items() if name != "reference"}
+    vs_paco = {name: r["images_per_sec"] / a["images_per_sec"] for name, r in res.items() if name in PACO_VARIANTS}
+    # the prefix's own gain: against the same draw of latents without sharing (the same images)
+    prefix_vs_same_latent = res["paco_ds+prefix"]["images_per_sec"] / res["paco_ds+same_latent"]["images_per_sec"]
+    speedup, speedup_cpu = vs_reference["paco_ds"], a["images_per_cpu_sec"] / b["images_per_cpu_sec"]
 
-    head = f"{'path':>10} {'img/s':>8} {'epoch s':>8} {'CPU s':>8} {'sample s':>9} {'reward wait s':>13} " \
-           f"{'train s':>8} {'fwd/trained step':>16} {'T5 calls/trained step':>21} {'VAE decodes/img':>15}"
+    head = f"{'path':>19} {'img/s':>8} {'epoch s':>8} {'CPU s':>8} {'sample s':>9} {'reward wait s':>13} " \
+           f"{'train s':>8} {'sample fwd/img':>14} {'fwd/trained step':>16} {'T5 calls/trained step':>21} " \
+           f"{'VAE decodes/img':>15} {'vs reference':>12} {'vs paco_ds':>10}"
     print(head)
-    for r in (a, b):
+    for name, r in res.items():
         m = r["median"]
-        print(f"{r['path']:>10} {r['images_per_sec']:>8.4f} {m['epoch_s']:>8.2f} {m['cpu_s']:>8.2f} "
+        ratios = f"{vs_reference.get(name, 1.0):>11.3f}x {vs_paco[name]:>9.3f}x" if name in vs_paco else \
+            f"{1.0:>11.3f}x {1 / vs_reference['paco_ds']:>9.3f}x"
+        print(f"{name:>19} {r['images_per_sec']:>8.4f} {m['epoch_s']:>8.2f} {m['cpu_s']:>8.2f} "
               f"{m['sample_s']:>9.2f} {m['reward_wait_s']:>13.3f} {m['train_s']:>8.2f} "
-              f"{r['forwards_per_trained_step']:>16.0f} {r['text_encodes_per_trained_step']:>21.0f} "
-              f"{r['vae_decodes_per_image']:>15.0f}")
+              f"{r['sample_forwards_per_image']:>14.2f} {r['forwards_per_trained_step']:>16.0f} "
+              f"{r['text_encodes_per_trained_step']:>21.0f} {r['vae_decodes_per_image']:>15.0f} {ratios}")
     print(f"paco_ds / reference images/s: {speedup:.3f}x (per CPU second: {speedup_cpu:.3f}x)")
+    print(f"paco_ds+prefix / paco_ds+same_latent images/s: {prefix_vs_same_latent:.3f}x")
+    print(f"model.compile: not run here (minutes of compile per shape on CPU); measured by "
+          f"benchmarks/compile_blocks.py, {COMPILE_SOURCE}")
     report = {
         "config": {"device": str(device), "dtype": str(policy.dtype).replace("torch.", ""), "quick": args.quick,
                    "model": "tiny" if args.quick else "reduced FLUX (REDUCED_FLUX_TRANSFORMER: 1 double + 2 single "
                    "blocks, 24 heads x 128, T5 width 4096)", "transformer_params": n_params,
                    "resolution": args.resolution, "images": args.images, "group_size": args.group_size,
-                   "steps": args.steps, "noise_steps": NOISE_STEPS, "trained_steps": NOISE_STEPS,
+                   "steps": args.steps, "ode_steps": args.ode_steps, "noise_steps": NOISE_STEPS,
+                   "trained_steps": NOISE_STEPS,
                    "noise_level": NOISE_LEVEL, "guidance": GUIDANCE, "beta": BETA, "clip_range": CLIP_RANGE,
                    "rollout_batch_size": args.batch_size, "max_sequence_length": policy.max_sequence_length,
                    "lora": {"rank": 64, "alpha": 128}, "optimizer": "torch.optim.AdamW", "lr": LR,
                    "optimizer_steps_per_epoch": OPT_STEPS_PER_EPOCH, "reward": REWARD, "kernels_backend": args.backend,
                    "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "load_s": load_s},
-        "paco_ds": a, "reference": b,
-        "images_per_sec": {"paco_ds": a["images_per_sec"], "reference": b["images_per_sec"]},
+        **res,
+        "variants": {name: [o.format(ode_steps=args.ode_steps) for o in overrides]
+                     for name, overrides in PACO_VARIANTS.items()},  # each one's sample.* overrides
+        "images_per_sec": {name: r["images_per_sec"] for name, r in res.items()},
         "speedup": speedup,  # paco_ds images/s / reference images/s
         "speedup_cpu_time": speedup_cpu,  # the same from process CPU seconds (a cross-check on a shared machine)
-        "method": "one process, one model; per repeat each path runs one full epoch (sample, reward, advantage, "
-                  "train with AdamW steps), order alternating; images/s = images / median epoch seconds",
+        "speedup_vs_reference": vs_reference,  # each (a) variant's images/s / the reference's
+        "speedup_vs_paco_ds": vs_paco,  # each (a) variant's images/s / plain (a)'s
+        "prefix_vs_same_latent": prefix_vs_same_latent,  # the shared prefix's own gain (same latents, same images)
+        "model_compile": {"run_here": False, "source": COMPILE_SOURCE,
+                          "why": "regional torch.compile takes minutes per shape on CPU; "
+                                 "benchmarks/compile_blocks.py measures it"},
+        "load_average_at_end": os.getloadavg(),
+        "method": "one process, one model; per repeat each path and variant runs one full epoch (sample, reward, "
+                  "advantage, train with AdamW steps), order alternating; images/s = images / median epoch seconds",
         "zero3_gather": "not applicable: one process holds every parameter (no ZeRO-3 partition to gather)",
         "reference_simplifies": SIMPLIFICATIONS,
     }

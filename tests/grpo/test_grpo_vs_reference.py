@@ -1,4 +1,5 @@
-"""`python benchmarks/grpo_vs_reference.py --quick` runs both epochs on the tiny FLUX and writes its JSON."""
+"""`python benchmarks/grpo_vs_reference.py --quick` runs both epochs, and paco_ds's with each rollout
+switch, on the tiny FLUX and writes its JSON."""
 import json
 
 import pytest
@@ -16,7 +17,8 @@ def test_quick_run_compares_both_epochs(tmp_path):
     assert report["machine"]["cores"] and report["config"]["quick"] and report["reference_simplifies"]
     a, b = report["paco_ds"], report["reference"]
     assert a["images_per_sec"] > 0 and b["images_per_sec"] > 0
-    assert report["images_per_sec"] == {"paco_ds": a["images_per_sec"], "reference": b["images_per_sec"]}
+    paths = ["paco_ds", "paco_ds+ode", "paco_ds+same_latent", "paco_ds+prefix", "reference"]
+    assert report["images_per_sec"] == {name: report[name]["images_per_sec"] for name in paths}
     assert report["speedup"] == pytest.approx(a["images_per_sec"] / b["images_per_sec"], rel=1e-12)
     # the schedule of work, from the hooks: 1 forward per trained step against 3 (old, current, ref) at beta 0
     assert a["trained_steps"] == b["trained_steps"] == report["config"]["images"]
@@ -28,7 +30,35 @@ def test_quick_run_compares_both_epochs(tmp_path):
     assert a["text_encodes_per_trained_step"] == 0 and b["text_encodes_per_trained_step"] == 3
     assert a["vae_decodes_per_image"] == 1 and b["vae_decodes_per_image"] == 2
     # the same sampling and gradient work: same rollout forwards, real AdamW steps in both
+    cfg = report["config"]
     sample_a, sample_b = a["calls_per_epoch"]["sample"], b["calls_per_epoch"]["sample"]
-    assert sample_a["transformer_forwards"] == sample_b["transformer_forwards"] == 3 * report["config"]["images"]
-    assert a["adamw_steps_taken"] == b["adamw_steps_taken"] == 2 * report["config"]["repeats"]
-    assert "paco_ds / reference images/s" in out.stdout
+    assert cfg["steps"] == 4 and cfg["ode_steps"] == 1 and cfg["noise_steps"] == [1]
+    assert sample_a["transformer_forwards"] == sample_b["transformer_forwards"] == 4 * cfg["images"]
+    for name in paths:
+        assert report[name]["adamw_steps_taken"] == 2 * cfg["repeats"]
+    # the switches: only sampling gets cheaper; training's forwards, decodes and encodes stay as in (a)
+    variants = {name: report[name] for name in paths[1:-1]}
+    for r in variants.values():
+        assert r["calls_per_epoch"]["train"] == a["calls_per_epoch"]["train"]
+        assert r["vae_decodes_per_image"] == 1 and r["text_encodes_per_trained_step"] == 0
+    sample_forwards = {name: r["calls_per_epoch"]["sample"]["transformer_forwards"] for name, r in variants.items()}
+    # ode: steps 0 and 1 (the noise step), then 2..4 in ode_steps = 1 step: 3 forwards per image, not 4
+    assert sample_forwards["paco_ds+ode"] == 3 * cfg["images"]
+    assert sample_forwards["paco_ds+same_latent"] == 4 * cfg["images"]
+    # prefix: step 0 walked once per group of 2 instead of per image
+    groups = cfg["images"] // cfg["group_size"]
+    assert sample_forwards["paco_ds+prefix"] == 4 * cfg["images"] - (cfg["images"] - groups)
+    for name, r in variants.items():  # Rollouts' own count agrees with the hooks
+        assert r["rollout_transformer_calls"] == sample_forwards[name]
+    assert a["rollout_transformer_calls"] == sample_a["transformer_forwards"]
+    assert report["variants"]["paco_ds+ode"] == ["sample.ode_solver=ab2", "sample.ode_steps=1"]
+    # the ratios are the images/s they say
+    for name in paths[:-1]:
+        ips = report[name]["images_per_sec"]
+        assert report["speedup_vs_reference"][name] == pytest.approx(ips / b["images_per_sec"], rel=1e-12)
+        assert report["speedup_vs_paco_ds"][name] == pytest.approx(ips / a["images_per_sec"], rel=1e-12)
+    assert report["speedup_vs_reference"]["paco_ds"] == report["speedup"]
+    assert report["prefix_vs_same_latent"] == pytest.approx(
+        report["paco_ds+prefix"]["images_per_sec"] / report["paco_ds+same_latent"]["images_per_sec"], rel=1e-12)
+    assert report["model_compile"]["source"] == "benchmarks/results/compile_blocks_cpu.json"
+    assert "paco_ds / reference images/s" in out.stdout and "paco_ds+prefix / paco_ds+same_latent" in out.stdout
