@@ -32,11 +32,15 @@ def test_nft_runs_without_sde_log_probs_and_resumes_exactly(tmp_path):
     assert rows[0]["train/nft_old_decay"] == pytest.approx(0.001)  # 1 optimizer step per epoch
 
 
-def test_guard_with_per_group_fast_window_resumes_exactly(tmp_path):
+def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(tmp_path):
+    # The rollout switches ride along: the ODE tail after the window's range, [3, 6), in 2 AB2 steps,
+    # and each group's steps before its window (sample.same_latent) walked once per rank.
     rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_guard.yaml",
-                            "sample.sde_window={size: 2, range: [0, 3], per: group}")
+                            "sample.sde_window={size: 2, range: [0, 3], per: group}",
+                            "sample.ode_solver=ab2", "sample.ode_steps=2")
     for r in rows:
         assert r["train/ratio_first"] == 1.0  # the normalised ratio of an unchanged policy
+        assert r["sample/transformer_calls"] <= 8 * 5  # 8 samples x 5 steps (6 without the switches)
         # per rank: 4 samples x 2 window steps in the rollout + 4 x 2 recomputed in training
         assert r["train/sde_logprob_rows"] == 16
         assert r["train/micro_steps"] == 8
