@@ -24,6 +24,20 @@ peak 989 TFLOP/s), so the ratio depends only on the work and where it runs:
                  sharing eight trainers' devices (`cluster.colocate`: the judge's work is added to
                  the sampling phase of every GPU).
 
+Each paco_ds placement also gets a row per rollout switch that keeps training exact, with its
+sampling forwards per image counted from the recipe's own step plan (paco_ds/sampling/solver.py on
+the loaded config; the reference and plain paco_ds take 10):
+
+  + ode_steps 3      sample.ode_solver=ab2, sample.ode_steps=3: steps 0 and 1 (the noise step), then
+                     2..10 in 3 steps: 5 forwards;
+  + share_prefix     sample.same_latent + sample.share_prefix: a group's step before its first SDE
+                     step walked once per group of k = 16: 9 + 1/16 forwards;
+  + both             the two together: 4 + 1/16 forwards.
+
+model.compile has no row here: regional torch.compile runs the same FLOPs faster (a higher MFU),
+so counted FLOPs cannot show it; its measured CPU speed-up is in docs/benchmarks.md
+(benchmarks/results/compile_blocks_cpu.json).
+
     python benchmarks/grpo_full_scale.py            # writes benchmarks/results/grpo_full_scale.json
 """
 from __future__ import annotations
@@ -43,6 +57,12 @@ IMAGES = 42 * 16  # m x k of the T2IS recipe (m = 42 stays for 7 and 8 trainers)
 STEPS = 10
 TRAINED = 1  # trained steps per image (noise_steps [1])
 REF_REQUESTS, OUR_REQUESTS = 57, 6  # judge requests per 2x2 image
+RECIPE = REPO / "configs" / "flux_t2is.yaml"
+# each exact rollout switch's sample.* overrides (a row per paco_ds placement)
+SWITCHES = {"": [], " + ode_steps 3": ["sample.ode_solver=ab2", "sample.ode_steps=3"],
+            " + share_prefix": ["sample.same_latent=true", "sample.share_prefix=true"],
+            " + both": ["sample.ode_solver=ab2", "sample.ode_steps=3", "sample.same_latent=true",
+                        "sample.share_prefix=true"]}
 TINY_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
 
@@ -54,31 +74,47 @@ def counted_flops() -> dict:
     from paco_ds.gpu_plan.plan import gpu_plan
     from paco_ds.grpo.plan import load_config
 
-    plan = gpu_plan(load_config(REPO / "configs" / "flux_t2is.yaml", TINY_DATA), 8, 80)
+    plan = gpu_plan(load_config(RECIPE, TINY_DATA), 8, 80)
     d = plan.flops_detail
     return {"transformer_forward": d["transformer_forward"], "train_micro_step": d["train_micro_step"],
             "prompt_encode": d["prompt_encode"], "vae_decode": d["vae_decode"], "reward_models": d["reward_models"],
             "judge_request": judge_request_flops(256, 256), "plan_seconds": plan.seconds}
 
 
-def schedules(f: dict) -> dict:
-    """Work per epoch (FLOPs) on the trainers by phase, and on the judge, for each schedule."""
+def sampling_forwards(overrides: list[str]) -> float:
+    """Transformer forwards per sampled image under the recipe with these sample.* overrides: the
+    steps of its plan (the ODE-only stretches walked in at most ode_steps), and with a shared prefix
+    the steps before the first SDE step once per group of k (as paco_ds/grpo/rollouts.py counts them)."""
+    from paco_ds.grpo.plan import load_config
+    from paco_ds.sampling.solver import plan_for
+
+    cfg = load_config(RECIPE, TINY_DATA + overrides)
+    plan = plan_for(cfg)
+    if not (cfg.sample.same_latent and cfg.sample.share_prefix):
+        return float(len(plan))
+    first = min(cfg.sample.noise_steps)
+    prefix = sum(1 for st in plan if st.k <= first)
+    return prefix / cfg.sample.group_size + sum(1 for st in plan if st.i >= first)
+
+
+def schedules(f: dict, forwards: dict[str, float]) -> dict:
+    """Work per epoch (FLOPs) on the trainers by phase, and on the judge, for each schedule;
+    `forwards`: sampling forwards per image for each rollout switch (SWITCHES)."""
     fwd, micro, enc, dec, rew, req = (f[k] for k in ("transformer_forward", "train_micro_step", "prompt_encode",
                                                      "vae_decode", "reward_models", "judge_request"))
-    sample = enc + STEPS * fwd + dec
     ref_train = TRAINED * (micro + 2 * fwd + 3 * enc)  # policy fwd+bwd, old and ref forwards, 3 encodes
     ours_train = TRAINED * micro
-    return {
-        "reference": {"trainers": 7, "judges": 1, "overlap": False, "colocated": False,
-                      "sample": IMAGES * sample, "score_local": IMAGES * (dec + rew), "train": IMAGES * ref_train,
-                      "judge": IMAGES * REF_REQUESTS * req},
-        "paco_ds (judge on its own GPU)": {"trainers": 7, "judges": 1, "overlap": True, "colocated": False,
-                                           "sample": IMAGES * sample, "score_local": IMAGES * rew,
-                                           "train": IMAGES * ours_train, "judge": IMAGES * OUR_REQUESTS * req},
-        "paco_ds (judges colocated)": {"trainers": 8, "judges": 8, "overlap": True, "colocated": True,
-                                       "sample": IMAGES * sample, "score_local": IMAGES * rew,
-                                       "train": IMAGES * ours_train, "judge": IMAGES * OUR_REQUESTS * req},
-    }
+    out = {"reference": {"trainers": 7, "judges": 1, "overlap": False, "colocated": False,
+                         "sample": IMAGES * (enc + STEPS * fwd + dec), "score_local": IMAGES * (dec + rew),
+                         "train": IMAGES * ref_train, "judge": IMAGES * REF_REQUESTS * req}}
+    for placement, trainers, judges, colocated in (("judge on its own GPU", 7, 1, False),
+                                                  ("judges colocated", 8, 8, True)):
+        for switch, n in forwards.items():
+            out[f"paco_ds ({placement}){switch}"] = {
+                "trainers": trainers, "judges": judges, "overlap": True, "colocated": colocated,
+                "sampling_forwards_per_image": n, "sample": IMAGES * (enc + n * fwd + dec),
+                "score_local": IMAGES * rew, "train": IMAGES * ours_train, "judge": IMAGES * OUR_REQUESTS * req}
+    return out
 
 
 def epoch_time(s: dict, mfu: float) -> dict:
@@ -106,7 +142,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     f = counted_flops()
-    sch = schedules(f)
+    forwards = {switch: sampling_forwards(overrides) for switch, overrides in SWITCHES.items()}
+    assert forwards[""] == STEPS, forwards  # the plain plan is the schedule's steps
+    sch = schedules(f, forwards)
     table = {mfu: {name: epoch_time(s, mfu) for name, s in sch.items()} for mfu in (0.3, 0.4, 0.5)}
     print("GPU headline derived from counted FLOPs until a GPU is measured (no GPU ran this).")
     print(f"FLOPs per call (T): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in f.items() if k != "plan_seconds"))
@@ -119,7 +157,7 @@ def main(argv=None) -> dict:
         for name, r in rows.items():
             ratio = ref / r["epoch_s"]
             ratios.setdefault(name, ratio)
-            print(f"  {name:32s} epoch {r['epoch_s'] / 60:6.1f} min  (sample+score {r['sample_and_score_s']:6.0f} s, "
+            print(f"  {name:51s} epoch {r['epoch_s'] / 60:6.1f} min  (sample+score {r['sample_and_score_s']:6.0f} s, "
                   f"train {r['train_s']:5.0f} s, judge busy {r['judge_busy_s']:6.0f} s; bottleneck {r['bottleneck']})"
                   f"  reference / this = {ratio:.2f}x")
     out = {"note": "GPU headline derived from counted FLOPs until a GPU is measured; times = FLOPs / (MFU x peak)",
@@ -128,6 +166,15 @@ def main(argv=None) -> dict:
            "flops_per_call": f, "work_flops": sch,
            "epoch": {f"{int(m * 100)}%": rows for m, rows in table.items()},
            "ratio_reference_over": {k: round(v, 3) for k, v in ratios.items()},
+           "switches": {"overrides": SWITCHES, "sampling_forwards_per_image": forwards,
+                        # each switch's epoch time against its placement's plain paco_ds, at each MFU
+                        "gain_over_plain_paco_ds": {f"{int(m * 100)}%": {
+                            name: round(rows[name.split(")")[0] + ")"]["epoch_s"] / r["epoch_s"], 4)
+                            for name, r in rows.items() if name.startswith("paco_ds") and not name.endswith(")")}
+                            for m, rows in table.items()}},
+           "model_compile": "no counted-FLOPs row: regional torch.compile runs the same FLOPs (a higher MFU); "
+                            "its measured CPU speed-up is in docs/benchmarks.md "
+                            "(benchmarks/results/compile_blocks_cpu.json)",
            "seconds": round(time.perf_counter() - t0, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
