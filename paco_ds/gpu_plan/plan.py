@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paco_ds.config import Config
+from paco_ds.sampling.solver import plan_for
 
 GiB = 2 ** 30
 CUDA_CONTEXT = 1 * GiB  # CUDA context, cuBLAS workspaces and allocator slack, per rank
@@ -312,11 +313,12 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     dec = counter.per_call("decode") / b
     micro = counter.per_call("micro_step") / len(batch)
     trained = len(cfg.train_timesteps) * cfg.train.num_inner_epochs
-    flops = {SAMPLING: enc + n_steps * fwd + dec, SCORING: reward_flops / b, TRAINING: micro * trained}
+    calls = len(plan_for(cfg))  # transformer calls per image: fewer under sample.ode_steps (a group's shared prefix aside)
+    flops = {SAMPLING: enc + calls * fwd + dec, SCORING: reward_flops / b, TRAINING: micro * trained}
     detail = {"transformer_forward": fwd, "prompt_encode": counter.per_call("encode_prompts") / b,
               "condition_encode": counter.per_call("encode_condition") / b if "encode_condition" in counter.calls
               else 0.0, "vae_decode": dec, "reward_models": reward_flops / b, "train_micro_step": micro}
-    counts = {"denoising_steps": n_steps, "trained_steps_per_sample": trained,
+    counts = {"denoising_steps": n_steps, "transformer_calls_per_image": calls, "trained_steps_per_sample": trained,
               "pass_denoising_steps": pass_steps, "rollout_batch": b}
     if pass_steps < n_steps:
         notes.append(f"the pass ran {pass_steps} of {n_steps} denoising steps and trained 1 of {trained} steps per "

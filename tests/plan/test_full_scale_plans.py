@@ -48,9 +48,12 @@ def test_editing_recipes_fit_on_8_x_80(recipe):
 def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why():
     from paco_ds.gpu_plan.plan import verdict
 
-    plan = _plan("flux_t2is.yaml", T2IS_DATA + ["train.resolution=1024"])
+    plan = _plan("flux_t2is.yaml", T2IS_DATA + ["train.resolution=1024", "sample.ode_steps=3"])
     assert plan.image_size == (1024, 1024)
     assert not plan.fits
+    # the ODE tail after the SDE step at 1, [2, 10), in 3 steps: 5 transformer calls per image, not 10
+    assert plan.counts["transformer_calls_per_image"] == 5
+    assert plan.flops["sampling"] < 6 * plan.flops_detail["transformer_forward"]
     text = verdict(plan)
     assert "training" in text and "model.gradient_checkpointing: true" in text
     assert max(plan.memory["training"], key=plan.memory["training"].get) == "activations"
@@ -97,6 +100,7 @@ def test_sd3_pickscore_with_gradient_checkpointing_fits_on_8_x_80(tmp_path):
     plan = _plan("sd3_pickscore.yaml", data + ["model.gradient_checkpointing=true"])
     assert plan.fits, plan.to_json()["verdict"]
     assert plan.image_size == (512, 512) and plan.counts["rollout_batch"] == 9
+    assert plan.counts["transformer_calls_per_image"] == 10
     assert plan.params["transformer"] - plan.params["lora"] == 2_243_171_520
     assert plan.params["text_encoders"] == 123_650_304 + 694_659_840 + 4_762_310_656  # CLIP-L, CLIP-G, T5-XXL
     assert plan.params["reward_models"] > 9e8  # PickScore's CLIP-H at full size, on the device
