@@ -3,7 +3,7 @@
 (sample.share_prefix), against the plain sampler on the tiny FLUX policy."""
 import pytest
 import torch
-from conftest import TINY
+from conftest import REPO, TINY
 
 from paco_ds.data import PromptItem
 from paco_ds.grpo.losses import RolloutNeeds
@@ -135,3 +135,20 @@ def test_a_shared_prefix_in_a_batch_moves_a_sample_no_more_than_its_batch_does(t
     assert (a.x_t - b.x_t).abs().max() <= max(4 * batch_effect, 1e-6)
     assert torch.equal(b.x_t[0], b.x_t[1])  # the group's two samples start their SDE step from one latent
     assert (a.images.float() - b.images.float()).abs().max() <= 1  # uint8 images: at most a rounding flip
+
+
+def test_the_benchmark_counts_each_switchs_calls(tmp_path):
+    """benchmarks/rollout_speedups.py on the tiny model: each variant's transformer calls per image
+    and its images (the shared prefix changes none)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rollout_speedups import main
+
+    rows = main(["--quick", "--repeats", "1", "--images", "4", "--group-size", "2", "--size", "32",
+                 "--out", str(tmp_path)])["sampling"]["rows"]
+    # 10 steps, SDE at 1: the prefix (step 0) once per group of 2; the tail [2, 10) in 3 steps
+    assert {k: r["transformer_calls_per_image"] for k, r in rows.items()} == \
+        {"plain": 10, "share_prefix": 9.5, "ode_steps=3 ab2": 5, "both": 4.5}
+    assert rows["share_prefix"]["image_diff_max"] == 0
+    assert (tmp_path / "rollout_speedups_cpu.json").is_file()
