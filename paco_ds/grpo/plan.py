@@ -104,6 +104,20 @@ def check_recipe(cfg: Config, world_size: int) -> tuple[EpochPlan, int, int | No
     return plan, len(train), (len(test) if test is not None else None)
 
 
+def rollout_line(cfg: Config) -> str:
+    """How a training rollout walks its steps: transformer calls per image, and what saves some."""
+    from paco_ds.sampling.solver import ode_stretches, plan_for
+
+    s = cfg.sample
+    out = f"{len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps"
+    if s.ode_steps is not None:
+        out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
+    head = ode_stretches(cfg)[:1]
+    if s.same_latent and s.share_prefix and head and head[0][0] == 0:
+        out += "; a group's steps before its first SDE step once per rank (sample.share_prefix)"
+    return out
+
+
 def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None) -> str:
     rows = [
         ("recipe", cfg.source),
@@ -113,7 +127,8 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None) -> 
         ("world size", plan.world_size), ("group size k", plan.group_size),
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),
         ("samples per epoch", plan.samples_per_epoch), ("samples per rank", plan.samples_per_rank),
-        ("trained steps", list(plan.train_timesteps)), ("micro-steps per rank", plan.micro_steps_per_rank),
+        ("trained steps", list(plan.train_timesteps)), ("rollout", rollout_line(cfg)),
+        ("micro-steps per rank", plan.micro_steps_per_rank),
         ("gradient accumulation", plan.grad_accum_steps), ("optimizer steps per epoch", plan.optimizer_steps_per_epoch),
         ("train / test resolution", f"{cfg.train.resolution} / {cfg.test.resolution} (items' own sizes first)"),
         ("rewards (train)", ", ".join(f"{k}x{v.weight:g}" for k, v in cfg.rewards.train.terms.items())),

@@ -152,3 +152,13 @@ def test_the_benchmark_counts_each_switchs_calls(tmp_path):
         {"plain": 10, "share_prefix": 9.5, "ode_steps=3 ab2": 5, "both": 4.5}
     assert rows["share_prefix"]["image_diff_max"] == 0
     assert (tmp_path / "rollout_speedups_cpu.json").is_file()
+
+
+def test_the_dry_run_says_how_a_rollout_walks_its_steps():
+    from paco_ds.grpo.plan import rollout_line
+
+    assert rollout_line(cfg_with("sample.noise_steps=[0, 1]")) == "8 transformer calls per image of 8 steps"
+    line = rollout_line(cfg_with("sample.noise_steps=[1]", "sample.same_latent=true", "sample.ode_solver=ab2",
+                                 "sample.ode_steps=2"))
+    assert line.startswith("4 transformer calls per image of 8 steps (ODE-only stretches in <= 2 ab2 steps); ")
+    assert "sample.share_prefix" in line
