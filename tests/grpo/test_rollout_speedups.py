@@ -162,3 +162,12 @@ def test_the_dry_run_says_how_a_rollout_walks_its_steps():
                                  "sample.ode_steps=2"))
     assert line.startswith("4 transformer calls per image of 8 steps (ODE-only stretches in <= 2 ab2 steps); ")
     assert "sample.share_prefix" in line
+
+
+@pytest.mark.parametrize("key, value, says", [("sample.ode_steps", "0", "greater than or equal to 1"),
+                                              ("sample.ode_solver", "heun", "'euler' or 'ab2'")])
+def test_a_bad_switch_is_one_line_naming_the_key(key, value, says):
+    from conftest import one_line_error, run_cli
+
+    line = one_line_error(run_cli("launch/train.py", "--config", str(TINY), "--dry-run", "--set", f"{key}={value}"))
+    assert key in line and says in line
