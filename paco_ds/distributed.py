@@ -7,6 +7,8 @@ no JIT-compiled shared-memory comm op (which takes a minute to build on first us
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,38 @@ def world_size() -> int:
 def barrier() -> None:
     if world_size() > 1:
         torch.distributed.barrier()
+
+
+# What gloo and NCCL raise in a rank whose collective lost its other end: a rank that failed
+# and exited. That rank printed its own error; this one's is only the consequence.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "NCCL communicator was aborted")
+# The launcher stops every rank once one fails and exits with the first failed rank's status,
+# polling once a second (deepspeed.launcher.launch, torchrun): a rank left waiting on a peer
+# gives it that long, so the status a user sees is the failed rank's, not this consequence's.
+PEER_GONE_WAIT_S = 10.0
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """The backend's words when `err` says another rank of this run is gone, else None."""
+    if not isinstance(err, RuntimeError) or world_size() == 1:
+        return None
+    return next((m for m in PEER_GONE if m in str(err)), None)
+
+
+def exit_after_peer(prog: str, err: BaseException) -> None:
+    """One line instead of a traceback in a rank whose peer failed, then wait for the launcher's
+    stop (SIGTERM, paco_ds.stopping) before exiting on our own with status 1."""
+    rank = torch.distributed.get_rank()
+    print(f"{prog}: error: rank {rank}: another rank of this run ended while this one waited for it "
+          f"({torch.distributed.get_backend()}: {peer_gone(err)}); that rank's error is the cause",
+          file=sys.stderr, flush=True)
+    from paco_ds import stopping
+
+    control = stopping.current()
+    if control is not None and control.has_launcher:
+        time.sleep(PEER_GONE_WAIT_S)
+    raise SystemExit(1) from None
 
 
 def all_gather_object(obj) -> list:

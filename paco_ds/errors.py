@@ -7,6 +7,9 @@ prints the message on one line and exits with status 2. Programming errors keep 
 kernels/ sits below paco_ds and raises its own `kernels.BackendError` (a ValueError) when the
 configured `kernels.backend` cannot run here (e.g. 'cpp' on GPU tensors, 'triton' without CUDA);
 `exit_on_user_error` reports it as the config error it is.
+
+In a multi-process run, a rank whose collective lost a peer that failed (and printed its own
+line) says so in one line too (paco_ds.distributed.exit_after_peer), not in a traceback.
 """
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ def exit_on_user_error(prog: str = "paco_ds") -> Iterator[None]:
         if kernels is None or not isinstance(err, getattr(kernels, "BackendError", ())):
             raise
         _exit(prog, f"config key 'kernels.backend': {err}", ConfigError.exit_code)
+    except RuntimeError as err:  # a collective whose other rank failed (and said why) first
+        dist = sys.modules.get("paco_ds.distributed")
+        if dist is None or dist.peer_gone(err) is None:
+            raise
+        dist.exit_after_peer(prog, err)
 
 
 def _exit(prog: str, message: str, code: int) -> None:

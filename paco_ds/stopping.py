@@ -144,6 +144,11 @@ class StopControl:
 
     # -------------------------------------------------------------------------------- requests
     @property
+    def has_launcher(self) -> bool:
+        """Whether a launcher above this rank stops it when another rank fails."""
+        return bool(self._watched)
+
+    @property
     def requested(self) -> bool:
         return self.reason is not None
 

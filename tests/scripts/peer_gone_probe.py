@@ -1,0 +1,30 @@
+"""Two ranks under the deepspeed launcher: rank 0 fails with a one-line error while rank 1 waits
+for it in a barrier (as a full disk on rank 0 does while rank 1 waits to save a checkpoint)."""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from paco_ds import stopping  # noqa: E402
+from paco_ds.distributed import barrier, setup_distributed  # noqa: E402
+from paco_ds.errors import UserError, exit_on_user_error  # noqa: E402
+
+
+class ProbeFailure(UserError):
+    exit_code = 74
+
+
+def main():
+    stopping.install()
+    dist = setup_distributed()
+    with exit_on_user_error("probe"):
+        barrier()  # both ranks are up
+        if dist.rank == 0:
+            time.sleep(1.0)  # rank 1 is in the barrier below by now
+            raise ProbeFailure("rank 0 failed on purpose")
+        barrier()
+
+
+if __name__ == "__main__":
+    main()
