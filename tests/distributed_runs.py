@@ -47,6 +47,23 @@ def run_trainer(run_dir: Path, *sets: str, nproc: int = 2, script: str = "launch
     return proc
 
 
+def resume_copy(run_dir: Path, dest: Path, checkpoint: str, *sets: str, **kwargs) -> subprocess.CompletedProcess:
+    """A finished run resumed from one of its own checkpoints in a copy of its directory: the later
+    checkpoints are removed and `latest` names `checkpoint`, as if the run had stopped there.
+    The resumed copy's metrics must then equal the run's (one launch instead of a cut run and its
+    resume)."""
+    import shutil
+
+    shutil.copytree(run_dir, dest, symlinks=True)
+    ckpts = dest / "checkpoints"
+    assert (ckpts / checkpoint / "meta.json").is_file(), f"{run_dir} kept no checkpoint {checkpoint}"
+    for later in ckpts.iterdir():
+        if later.is_dir() and later.name > checkpoint:
+            shutil.rmtree(later)
+    (ckpts / "latest").write_text(checkpoint)
+    return run_trainer(dest, *sets, extra=("--resume", "latest"), **kwargs)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 

@@ -9,7 +9,6 @@ import json
 import math
 import pickle
 import re
-import shutil
 import threading
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, run_cli
-from distributed_runs import metrics, run_trainer, stable, tail
+from distributed_runs import metrics, resume_copy, run_trainer, stable, tail
 
 PROMPTS = REPO / "paco_ds" / "data" / "prompts"
 RECIPES = {  # recipe -> tiny train and test files
@@ -139,11 +138,8 @@ def test_tiny_sd3_geneval_resumes_exactly(geneval_run, geneval_url, tmp_path):
     """Resume the run from its own epoch-1 checkpoint in a copy of its directory: the second epoch
     must come out exactly as it did the first time."""
     run_dir = tmp_path / "resumed"
-    shutil.copytree(geneval_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "epoch_0002")
-    (run_dir / "checkpoints" / "latest").write_text("epoch_0001")
-    proc = run_trainer(run_dir, *SHORT, f"rewards.train.terms.geneval.base_url={geneval_url}", config=TWIN,
-                       extra=("--resume", "latest"))
+    proc = resume_copy(geneval_run, run_dir, "epoch_0001", *SHORT,
+                       f"rewards.train.terms.geneval.base_url={geneval_url}", config=TWIN)
     assert proc.returncode == 0, tail(proc)
     assert "resumed from" in proc.stdout
     assert stable(metrics(run_dir)) == stable(metrics(geneval_run))
