@@ -18,6 +18,13 @@ sys.path.insert(0, str(REPO))
 JUDGE = "paco-reward-tiny"
 
 
+def device_slug(device) -> str:
+    """'cpu', or the GPU's name as a file-name stem (e.g. nvidia-h100-80gb-hbm3), as kernels.bench names its results."""
+    from kernels.bench.run import device_slug as slug
+
+    return slug(device)
+
+
 def machine() -> dict:
     import torch
 

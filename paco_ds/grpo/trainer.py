@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import random
 import time
@@ -157,6 +158,7 @@ class GRPOTrainer:
         self.epoch = 0
         self.global_step = 0
         self.nonfinite_streak = 0
+        self.bad_grad_streak = 0  # optimizer steps in a row whose gradient norm was not finite
         self._partial: dict | None = None  # a mid-epoch (preemption) checkpoint's epoch to finish
         self._start_saved = False  # this epoch's start is a checkpoint already
         self._start_rng: dict | None = None
@@ -386,9 +388,11 @@ class GRPOTrainer:
                     bar.update(1)
                     self._check_preemption(samples, metrics, {"stats": stats, "first": first, "done": flat})
         bar.close()
-        out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite",)}
+        out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite", "nonfinite_grad")}
         out = all_reduce_mean(out)
         out["train/nonfinite_steps"] = float(sum(all_gather_object(sum(stats.get("nonfinite", [])))))
+        # the gradient norm is global: every rank saw the same skipped steps
+        out["train/skipped_optimizer_steps"] = float(sum(stats.get("nonfinite_grad", [])))
         for key, v in first.items():
             out[f"train/{key}_first"] = float(v)
         out["train/micro_steps"] = float(total)
@@ -418,8 +422,26 @@ class GRPOTrainer:
                 self.ema.step(self.global_step)
             norm = self.engine.get_global_grad_norm()
             if norm is not None:
-                out["grad_norm"] = float(norm)
+                self._check_grad_norm(float(norm), out)
         return out
+
+    def _check_grad_norm(self, norm: float, out: dict) -> None:
+        """A non-finite gradient norm means ZeRO-3 skipped the optimizer step (it treats it as an
+        overflow): the policy did not change. Counted per epoch, and a streak stops the run, so a run
+        whose every step is skipped cannot look like a run that trained."""
+        if math.isfinite(norm):
+            out["grad_norm"] = norm
+            self.bad_grad_streak = 0
+            return
+        out["nonfinite_grad"] = 1.0
+        self.bad_grad_streak += 1
+        limit = self.cfg.train.max_consecutive_nonfinite
+        log.warning("non-finite gradient norm at step %d: the optimizer step was skipped (%d in a row, limit %d)",
+                    self.global_step, self.bad_grad_streak, limit)
+        if self.bad_grad_streak >= limit:
+            raise TrainingDiverged(f"stopping: {self.bad_grad_streak} optimizer steps in a row had a non-finite "
+                                   f"gradient norm and were skipped (train.max_consecutive_nonfinite={limit}); "
+                                   "the policy has not changed since the last good step")
 
     # ------------------------------------------------------------------------------------ preemption
     def _check_preemption(self, samples: EpochSamples | None = None, metrics: dict | None = None,

@@ -7,6 +7,8 @@
 #   bench      python -m kernels.bench: kernels/bench/results/<gpu>.json with the triton columns
 #   grpo       a tiny GRPO run under the DeepSpeed launcher on 1 GPU (NCCL, bf16, Triton kernels,
 #              the judge on the hf engine on the GPU): configs/tiny/t2is_gpu.yaml
+#   compile    benchmarks/compile_blocks.py --device cuda: model.compile's regional compile of the
+#              reduced full-width FLUX at 512 px, bf16, eager vs compiled
 #   reference  benchmarks/grpo_vs_reference.py --device cuda
 # A failing stage does not stop the others; the summary (results/summary.json) says which passed,
 # and the exit status is non-zero if any failed. Without a CUDA GPU it runs nothing and exits 2.
@@ -24,7 +26,7 @@ cd "$REPO"
 PY=${GPU_PYTHON:-python3}
 RES=$REPO/tests/gpu/results
 SITE=${LANE_SITE:-/tmp/paco_ds_gpu_site}
-STAGES=${LANE_STAGES:-deps pytest bench grpo reference}
+STAGES=${LANE_STAGES:-deps pytest bench grpo compile reference}
 BUDGET=${LANE_BUDGET_S:-540}
 BENCH_ARGS=${LANE_BENCH_ARGS---no-compile}
 START=$(date +%s)
@@ -55,7 +57,8 @@ summary() {  # results/summary.json, and the files that come back through $OUT
     } > "$RES/summary.json"
     if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
         cp "$RES/summary.json" "$OUT/" 2>/dev/null
-        for f in "$RES/pytest_gpu.xml" "$RES"/bench_*.json "$RES/metrics.jsonl" "$RES"/grpo_vs_reference_*.json; do
+        for f in "$RES/pytest_gpu.xml" "$RES"/bench_*.json "$RES/metrics.jsonl" "$RES"/grpo_vs_reference_*.json \
+                 "$RES"/compile_blocks_*.json; do
             [ -f "$f" ] && cp "$f" "$OUT/"
         done
         tar -czf "$OUT/logs.tar.gz" -C "$RES" $(cd "$RES" && ls *.log *.png machine.json 2>/dev/null) 2>/dev/null
@@ -144,7 +147,7 @@ EOF
 
 stage_bench() {
     # shellcheck disable=SC2086
-    "$PY" -m kernels.bench $BENCH_ARGS || return 1
+    "$PY" -m kernels.bench --device cuda $BENCH_ARGS || return 1
     cp "kernels/bench/results/$SLUG.json" "$RES/bench_$SLUG.json" && cp "kernels/bench/results/$SLUG.png" "$RES/" 2>/dev/null
     "$PY" - "kernels/bench/results/$SLUG.json" <<'EOF'
 import json, sys
@@ -178,6 +181,11 @@ assert len(train) == epochs, f"{len(train)} epochs logged a loss, want {epochs}"
 bad = [r["epoch"] for r in train if not isinstance(r["train/loss"], float) or not math.isfinite(r["train/loss"])]
 assert not bad, f"non-finite loss at epochs {bad}"
 assert all(r.get("train/nonfinite_steps", 0) == 0 for r in train), "non-finite micro-steps"
+# The policy must have been trained: a step whose gradient norm is not finite is skipped by ZeRO-3, and
+# a run whose every step was skipped still logs finite losses (seen on an H100: grad_norm null throughout).
+skipped = [r["epoch"] for r in train if r.get("train/skipped_optimizer_steps", 0) > 0
+           or not isinstance(r.get("train/grad_norm"), float) or not math.isfinite(r["train/grad_norm"])]
+assert not skipped, f"optimizer steps skipped (non-finite gradient norm) at epochs {skipped}"
 assert any(k.startswith("eval/") for r in rows for k in r), "no evaluation logged"
 print(f"{len(train)} epochs, losses {[round(r['train/loss'], 6) for r in train]}, "
       f"reward/combined/mean {[round(r.get('reward/combined/mean', float('nan')), 4) for r in train]}")
@@ -185,6 +193,11 @@ EOF
     [ $? -eq 0 ] || return 1
     if grep -q "NCCL INFO" "$RES/grpo.log"; then echo "NCCL: $(grep -m1 -o 'NCCL version [^ ]*' "$RES/grpo.log")"
     else echo "no 'NCCL INFO' line in the log: the run did not use NCCL" | tee "$RES/grpo.note"; return 1; fi
+}
+
+stage_compile() {
+    "$PY" benchmarks/compile_blocks.py --device cuda || return 1
+    cp "benchmarks/results/compile_blocks_$SLUG.json" "$RES/"
 }
 
 stage_reference() {
@@ -198,12 +211,12 @@ stage_reference() {
 }
 
 export PY RES SITE SLUG BENCH_ARGS
-export -f stage_deps stage_pytest stage_bench stage_grpo stage_reference
+export -f stage_deps stage_pytest stage_bench stage_grpo stage_compile stage_reference
 FAILED=0
 for s in $STAGES; do
     case $s in
-        deps|pytest|bench|grpo|reference) run_stage "$s" "stage_$s" || FAILED=1 ;;
-        *) echo "unknown stage '$s' (deps pytest bench grpo reference)"; STATUS[$s]=failed; FAILED=1 ;;
+        deps|pytest|bench|grpo|compile|reference) run_stage "$s" "stage_$s" || FAILED=1 ;;
+        *) echo "unknown stage '$s' (deps pytest bench grpo compile reference)"; STATUS[$s]=failed; FAILED=1 ;;
     esac
 done
 summary

@@ -48,6 +48,26 @@ def test_several_nonfinite_losses_in_a_row_stop_the_run(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_skipped_optimizer_step_is_counted_and_training_goes_on(tmp_path):
+    # a finite loss whose gradient is NaN: ZeRO-3 skips that optimizer step (seen on a GPU, where every
+    # step of a bf16 run was skipped while the metrics looked like training)
+    proc = _fault("nan_grad_once", tmp_path / "g1", *ONE_EPOCH, "train.num_epochs=2")
+    assert proc.returncode == 0, tail(proc)
+    rows = [r for r in metrics(tmp_path / "g1") if "time/epoch" in r]
+    assert [r["train/skipped_optimizer_steps"] for r in rows] == [1.0, 0.0]
+    assert [r["train/nonfinite_steps"] for r in rows] == [0.0, 0.0]
+    assert all(math.isfinite(r["train/grad_norm"]) for r in rows)  # the mean over the steps that were taken
+    assert "optimizer step was skipped" in proc.stderr
+
+
+def test_optimizer_steps_skipped_in_a_row_stop_the_run(tmp_path):
+    proc = _fault("nan_grad", tmp_path / "g", *ONE_EPOCH, "train.num_epochs=3", "train.max_consecutive_nonfinite=3")
+    assert proc.returncode == 3, tail(proc)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("train: error:")]
+    assert len(lines) == 1 and "3 optimizer steps in a row" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+
+
 def test_nonfinite_rewards_are_masked_not_zeroed(tmp_path):
     proc = _fault("nan_reward", tmp_path / "nanr", *ONE_EPOCH)
     assert proc.returncode == 0, tail(proc)

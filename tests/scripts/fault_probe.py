@@ -4,6 +4,8 @@ guard tests.
 modes:
   nan_loss   the PPO loss is NaN on the 2nd and 3rd micro-steps of the run
   diverge    the PPO loss is always NaN
+  nan_grad   the PPO loss is finite, its gradient always NaN (every optimizer step is skipped)
+  nan_grad_once  the same on the first micro-step only (the first optimizer step is skipped)
   nan_reward jpeg_compressibility returns NaN for the first batch it scores
   saved_activations  no fault: every transformer forward that builds a graph records the bytes
              autograd keeps for backward (tensors saved outside checkpointed blocks, parameters
@@ -34,6 +36,22 @@ def main():
         calls["n"] += 1
         if mode == "diverge" or calls["n"] in (2, 3):
             loss = loss * torch.tensor(float("nan"))
+        return loss, stats
+
+    class NanGrad(torch.autograd.Function):  # identity forward, NaN backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * float("nan")
+
+    def nan_grad(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        if mode == "nan_grad" or calls["n"] == 1:
+            loss = NanGrad.apply(loss)
         return loss, stats
 
     real_score = JpegCompressibility.score
@@ -69,6 +87,8 @@ def main():
 
     if mode in ("nan_loss", "diverge"):
         kernels.ppo_clip_loss = nan_loss
+    elif mode in ("nan_grad", "nan_grad_once"):
+        kernels.ppo_clip_loss = nan_grad
     elif mode == "nan_reward":
         JpegCompressibility.score = nan_score
     elif mode == "saved_activations":
