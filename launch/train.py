@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paco_ds.errors import UserError, exit_on_user_error  # noqa: E402
+from paco_ds.errors import UserError, exit_on_user_error, run_entry_point  # noqa: E402
 from paco_ds.recipe import add_recipe_arguments  # noqa: E402
 
 
@@ -58,4 +58,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # exits without interpreter teardown (paco_ds/errors.py)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from paco_ds.errors import exit_on_user_error  # noqa: E402
+from paco_ds.errors import exit_on_user_error, run_entry_point  # noqa: E402
 
 
 def main():
@@ -52,4 +52,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # exits without interpreter teardown (paco_ds/errors.py)
