@@ -13,29 +13,64 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo sft-demo test bench triton36-setup test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
+.PHONY: setup demo sft-demo test test-runs test-all bench triton36-setup test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
 
 setup: $(STAMP)
 
-$(STAMP): setup.py constraints-cpu.txt
+# Exact versions with their hashes from the lock (requirements-cpu.lock, made by `make lock` from setup.py's
+# requirements and the measured torch pair of constraints-cpu.txt), then the project itself without deps.
+LOCK := requirements-cpu.lock
+
+$(STAMP): setup.py $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt torch torchvision
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 	@echo "set-up done: $(VENV) ($$(du -sh $(VENV) | cut -f1))"
+
+# Refresh the locks on purpose: the CPU venv's (uv's resolver, hashes for every file) and the GPU lane's
+# wheel set (tests/gpu/wheels.txt versions from the CPU lock, tests/gpu/wheels.lock the files' hashes).
+# tests/test_lock.py checks that the locks agree with setup.py and with each other.
+UV_VERSION ?= 0.13.9
+.PHONY: lock
+lock:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip compile setup.py --extra dev -c constraints-cpu.txt --generate-hashes \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --quiet -o $(LOCK)
+	$(PY) tests/gpu/bundle.py lock
 
 demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29511 launch/train.py --config configs/tiny/t2is.yaml
 
+# The tiers (pytest.ini's markers; docs/testing.md says which to run for which change). A tiny run that
+# several checks read is launched once and kept under build/test-runs (keyed by a digest of the sources),
+# so `make test` and `make test-runs` in one tree share it.
+export PACO_RUN_CACHE ?= $(CURDIR)/build/test-runs
+
+# Two pytest workers (pytest-xdist), each given whole files (a module's shared fixtures stay in one
+# worker): a 2-rank tiny run keeps about 1.2 of 2 cores busy, so a second worker fills the rest.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+
+# The fast tier: unit and component tests and the one shared tiny run (5 minutes on 2 cores).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/grpo/test_stop.py
+	$(PY) -m pytest -q -m fast $(XDIST) --durations=10
+
+# Real training, SFT and evaluation launches (2 ZeRO-3 ranks), and the benchmarks' quick runs.
+test-runs: setup
+	$(PY) -m pytest -q -m runs $(XDIST) --durations=15
+
+# Every lane CI runs, in its order, timed, with a table at the end (tests/lanes.sh).
+test-all: setup
+	bash tests/lanes.sh
 
 # Stops and preemption with real processes (tests/grpo/test_stop.py): the tiny run started, signalled, resumed
-# and compared; several minutes on 2 cores, so a lane of its own that .ci/run calls.
+# and compared.
 .PHONY: test-stop
 test-stop: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests/grpo/test_stop.py
+	$(PY) -m pytest -q -m stop
 
 sft-demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29512 launch/sft.py --config configs/tiny/reward_sft.yaml
@@ -77,13 +112,13 @@ cluster-test-setup:
 	bash tests/cluster/netns.sh up
 
 test-cluster: setup cluster-test-setup
-	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -p no:cacheprovider tests/cluster
+	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
 # the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece.
 .PHONY: test-plan
 test-plan: setup
-	PACO_TEST_PLAN=1 $(PY) -m pytest -q -p no:cacheprovider tests/plan
+	$(PY) -m pytest -q -m plan
 
 # The vLLM lane: vLLM's CPU build in its own venv (it pins its own torch and transformers), a tiny
 # judge both engines serve, and tests against a real vLLM server (tests/vllm_lane). PyPI's torchvision is
@@ -111,7 +146,7 @@ $(VLLM_STAMP): constraints-cpu.txt
 	@echo "vLLM set-up done: $(VLLM_VENV) ($$(du -sh $(VLLM_VENV) | cut -f1))"
 
 test-vllm: setup vllm-setup
-	PACO_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -p no:cacheprovider tests/vllm_lane
+	PACO_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -m vllm
 
 clean:
 	rm -rf runs build *.egg-info

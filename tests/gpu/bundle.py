@@ -3,6 +3,11 @@
     python tests/gpu/bundle.py download [--dir .whl]   # here, with network: fill .whl/ (make gpu-wheels)
     python tests/gpu/bundle.py check    [--dir .whl]   # here: the set installs on CPython 3.12 by itself
     python tests/gpu/bundle.py install --target DIR    # there, no network: install what is missing
+    python tests/gpu/bundle.py lock                     # here (make lock): versions from the CPU lock, hashes
+
+The list is tests/gpu/wheels.txt, at the versions of the CPU lock (requirements-cpu.lock); the
+sha256 of every file it downloads (deepspeed's sdist, which is built here) is in tests/gpu/wheels.lock,
+and `download` refuses a file whose hash differs.
 
 The list is tests/gpu/wheels.txt. `install` never touches the interpreter's own packages: it puts
 the wheels it needs into DIR (`pip install --target`, no index, no dependencies) and the caller
@@ -27,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LIST = Path(__file__).resolve().parent / "wheels.txt"
+HASHES = Path(__file__).resolve().parent / "wheels.lock"
+CPU_LOCK = REPO / "requirements-cpu.lock"
 IMAGE = Path(__file__).resolve().parent / "image_packages.txt"
 LIMIT_MIB = 64
 PY = (3, 12)
@@ -97,8 +104,49 @@ def size_mib(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.glob("*.whl")) / 2**20
 
 
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def locked_hashes() -> dict[str, str]:
+    """{file name: sha256} of wheels.lock."""
+    out = {}
+    for line in HASHES.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, digest = line.split()
+            out[name] = digest
+    return out
+
+
+def verify(path: Path, hashes: dict[str, str]) -> None:
+    want = hashes.get(path.name)
+    if want is None:
+        die(f"{path.name} is not in {HASHES.name} (run make lock)")
+    if sha256(path) != want:
+        path.unlink()
+        die(f"{path.name}: sha256 differs from {HASHES.name}; the file was removed")
+
+
+def cpu_lock_versions() -> dict[str, str]:
+    """{canonical name: version} of requirements-cpu.lock."""
+    out = {}
+    for line in CPU_LOCK.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==([^ ;\\]+)", line)
+        if m:
+            out[canonicalize_name(m[1])] = m[2]
+    return out
+
+
 # ------------------------------------------------------------------------------------ download
-def download(folder: Path) -> None:
+def download(folder: Path, hashes: dict[str, str] | None = None) -> None:
+    """Fill folder with the set; each downloaded file is checked against wheels.lock (`hashes`, None
+    when `lock` is writing it)."""
+    check_hashes = hashes is None
+    if check_hashes:
+        hashes = locked_hashes()
     folder.mkdir(exist_ok=True)
     want = entries()
     pip = [sys.executable, "-m", "pip"]
@@ -115,6 +163,13 @@ def download(folder: Path) -> None:
         subprocess.run(pip + ["download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                               "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", *plat,
                               "-d", str(folder), *binary], check=True)
+    for name, (_, path) in wheels(folder).items():
+        if name == "deepspeed":
+            continue
+        if check_hashes:
+            verify(path, hashes)
+        else:
+            hashes[path.name] = sha256(path)
     ds = next(((n, v) for n, v, _ in want if n == "deepspeed"), None)
     if ds and "deepspeed" not in wheels(folder):
         # PyPI has only the sdist: build a pure wheel with no compiled ops (they JIT-build on use).
@@ -122,6 +177,10 @@ def download(folder: Path) -> None:
             subprocess.run(pip + ["download", "-q", "--no-deps", "--no-binary=:all:", f"deepspeed=={ds[1]}",
                                   "-d", tmp], check=True)
             sdist = next(Path(tmp).glob("deepspeed-*"))
+            if check_hashes:
+                verify(sdist, hashes)
+            else:
+                hashes[sdist.name] = sha256(sdist)
             # No op is prebuilt, so the accelerator and torch versions recorded in the wheel are never
             # checked at run time; "cuda" keeps what `ds_report` prints true to where it runs.
             env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cuda"}
@@ -144,6 +203,30 @@ def report(folder: Path) -> None:
     print(f"{folder}: {len(wheels(folder))} wheels, {total:.1f} MiB (limit {LIMIT_MIB} MiB)")
     if total > LIMIT_MIB:
         die(f"the bundle is {total:.1f} MiB, over the {LIMIT_MIB} MiB that travels to a GPU machine")
+
+
+def lock() -> None:
+    """wheels.txt's versions from the CPU lock, then wheels.lock from a fresh download of the set."""
+    versions = cpu_lock_versions()
+    lines, changed = [], []
+    for line in LIST.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)(\s+.*)$", line)
+        if m and canonicalize_name(m[1]) in versions and versions[canonicalize_name(m[1])] != m[2]:
+            new = versions[canonicalize_name(m[1])]
+            changed.append(f"{m[1]} {m[2]} -> {new}")
+            spec = f"{m[1]}=={new}"
+            line = spec + m[3][max(0, len(spec) - len(m[1]) - 2 - len(m[2])):] if len(spec) <= len(m[1]) + 2 + len(m[2]) \
+                else spec + " " + m[3].lstrip(" ")
+        lines.append(line)
+    LIST.write_text("\n".join(lines) + "\n")
+    print(f"{LIST.name}: " + (", ".join(changed) if changed else "versions unchanged"))
+    hashes: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        download(Path(tmp), hashes)
+    HASHES.write_text("# sha256 of each file `make gpu-wheels` downloads (tests/gpu/wheels.txt), written by `make lock`.\n"
+                      "# deepspeed's is its sdist's: the wheel is built from it here.\n"
+                      + "".join(f"{name} {digest}\n" for name, digest in sorted(hashes.items())))
+    print(f"{HASHES.name}: {len(hashes)} files")
 
 
 # ------------------------------------------------------------------------------------ check (here)
@@ -273,7 +356,7 @@ def install(folder: Path, target: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("command", choices=["download", "check", "install", "size"])
+    ap.add_argument("command", choices=["download", "check", "install", "size", "lock"])
     ap.add_argument("--dir", type=Path, default=REPO / ".whl")
     ap.add_argument("--target", type=Path, default=None, help="install: the overlay folder for PYTHONPATH")
     args = ap.parse_args(argv)
@@ -283,6 +366,8 @@ def main(argv=None) -> None:
         check(args.dir)
     elif args.command == "size":
         report(args.dir)
+    elif args.command == "lock":
+        lock()
     else:
         if args.target is None:
             die("install needs --target DIR")
