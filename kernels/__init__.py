@@ -32,7 +32,6 @@ BACKENDS = ("auto", "triton", "cpp", "torch")
 # The fused ops are torch.library custom ops (namespace `paco`) with fake implementations and
 # autograd: they run under FakeTensorMode (device "cuda" without a GPU: no kernel is launched on a
 # fake tensor), on meta tensors and inside torch.compile(fullgraph=True).
-CUSTOM_OPS = True
 # The backends with a kernel of their own for each op; every other backend runs the op in torch.
 KERNELS = {
     "sde_step": ("triton", "cpp"),

@@ -20,6 +20,101 @@ sys.path.insert(0, str(REPO))
 
 TINY = REPO / "configs" / "tiny" / "t2is.yaml"
 
+TIERS = ("fast", "runs", "stop", "plan", "cluster", "vllm", "gpu")  # pytest.ini's markers
+
+
+def tiers_of(item) -> set[str]:
+    """The tier markers a test carries (its own, its class's, its module's): exactly one is allowed, so
+    `pytest -m TIER` selects each test in one tier only."""
+    return {m.name for m in item.iter_markers() if m.name in TIERS}
+
+
+# Launches of a training, SFT or evaluation entry point made by this session (counted at Popen, so every
+# helper's launches count), reported at the end: the run cache exists to keep this number small.
+LAUNCH_SCRIPTS = ("launch/train.py", "launch/sft.py", "launch/evaluate.py", "tests/scripts/fault_probe.py",
+                  "tests/scripts/train_probe.py")
+LAUNCHES: list[str] = []
+_popen_init = subprocess.Popen.__init__
+
+
+# A launch that died of SIGABRT ("terminate called ...": 250 from the deepspeed launcher, -6 from a plain
+# process) fails the session whichever test made it: a finished run must exit with its own status.
+ABORTED: list[str] = []
+_popen_wait, _popen_poll = subprocess.Popen.wait, subprocess.Popen.poll
+
+
+def _counting_popen_init(self, args, *a, **kw):
+    argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else [str(args)]
+    hit = next((s for s in LAUNCH_SCRIPTS for x in argv if x.endswith(s)), None)
+    self._paco_launch = hit
+    if hit and not {"--dry-run", "--help"} & set(argv):
+        LAUNCHES.append(hit)
+    _popen_init(self, args, *a, **kw)
+
+
+def _note_exit(proc) -> None:
+    if getattr(proc, "_paco_launch", None) and proc.returncode in (250, -6) and not getattr(proc, "_paco_noted", False):
+        proc._paco_noted = True
+        ABORTED.append(f"{proc._paco_launch} (pid {proc.pid}) exited {proc.returncode}")
+
+
+def _noting_wait(self, *a, **kw):
+    code = _popen_wait(self, *a, **kw)
+    _note_exit(self)
+    return code
+
+
+def _noting_poll(self):
+    code = _popen_poll(self)
+    _note_exit(self)
+    return code
+
+
+subprocess.Popen.__init__ = _counting_popen_init
+subprocess.Popen.wait = _noting_wait
+subprocess.Popen.poll = _noting_poll
+
+
+def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller reports
+        workeroutput["paco_launches"], workeroutput["paco_aborted"] = list(LAUNCHES), list(ABORTED)
+    if ABORTED:
+        session.exitstatus = 1
+
+
+class _WorkerReports:
+    """pytest-xdist's controller collects each worker's launches and aborts."""
+
+    @staticmethod
+    def pytest_testnodedown(node, error):
+        out = getattr(node, "workeroutput", {})
+        LAUNCHES.extend(out.get("paco_launches", []))
+        ABORTED.extend(out.get("paco_aborted", []))
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerReports(), "paco-worker-reports")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LAUNCHES:
+        from collections import Counter
+
+        by = ", ".join(f"{n} {s}" for s, n in Counter(LAUNCHES).most_common())
+        terminalreporter.write_line(f"launches of an entry point this session: {len(LAUNCHES)} ({by})")
+    for line in ABORTED:
+        terminalreporter.write_line(f"ABORTED (SIGABRT at exit; fails the session): {line}", red=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    bad = [f"{item.nodeid} ({', '.join(sorted(tiers_of(item))) or 'none'})" for item in items
+           if len(tiers_of(item)) != 1]
+    if bad:
+        raise pytest.UsageError(f"{len(bad)} tests declare no tier or several (exactly one of {', '.join(TIERS)}, "
+                                "pytest.ini lists them): " + "; ".join(bad[:5]))
+
 
 def shared_file(*parts: str) -> Path:
     """A data file of the reference (its T2IS prompt metadata, PickScore test prompts) from a copy
@@ -30,8 +125,48 @@ def shared_file(*parts: str) -> Path:
     return p
 
 
+# Entry points whose --dry-run starts no process group, model or server: such a call runs in this process
+# (the same main(), its output captured), a few milliseconds instead of seconds of imports per call.
+IN_PROCESS_DRY_RUN = ("launch/train.py", "launch/cluster.py", "launch/serve_reward.py")
+_ENTRY_MODULES: dict = {}
+
+
+def run_entry(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python script args...` in this process: the script's main(argv) with stdout and stderr captured
+    and its SystemExit as the return code (an uncaught exception: its traceback and 1, as Python does)."""
+    import contextlib
+    import importlib.util
+    import io
+    import traceback
+
+    mod = _ENTRY_MODULES.get(script)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(f"entry_{Path(script).stem}", REPO / script)
+        mod = _ENTRY_MODULES[script] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                mod.main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - what an uncaught exception does to a process
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+
+
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run a command with the project on PYTHONPATH; returns the completed process."""
+    """Run a command with the project on PYTHONPATH; returns the completed process. A --dry-run of an
+    entry point that starts nothing runs in this process (run_entry)."""
+    if args and args[0] in IN_PROCESS_DRY_RUN and "--dry-run" in args and cwd == REPO:
+        return run_entry(*args, env=env)
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
@@ -63,6 +198,18 @@ def run_in_triton_interpreter(test_file: str, min_passed: int) -> None:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = re.search(r"(\d+) passed", out.stdout.strip().splitlines()[-1])
     assert passed and int(passed.group(1)) >= min_passed, out.stdout[-2000:]  # every kernel test ran
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """The session's run cache (tests/distributed_runs.py): `runs.get(name, *overrides, ...)`."""
+    from distributed_runs import RunCache
+
+    cache = os.environ.get("PACO_RUN_CACHE")
+    if cache:
+        return RunCache(Path(cache).resolve(), persist=True)
+    base = tmp_path_factory.getbasetemp()  # under pytest-xdist, a worker's; its parent is the session's
+    return RunCache((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs")
 
 
 @pytest.fixture(scope="session")

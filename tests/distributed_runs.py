@@ -86,3 +86,95 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         pytest.fail(f"the run did not stop within {timeout}s")
+
+
+# ------------------------------------------------------------------------------------ the run cache
+# Sources a tiny run depends on: a cached run is reused only while these are unchanged.
+RUN_SOURCES = ("paco_ds", "kernels", "launch", "configs", "csrc", "tests/scripts")
+
+
+def source_digest() -> str:
+    """A digest of every file a run reads from the repository (and of the interpreter)."""
+    import hashlib
+
+    h = hashlib.sha256(sys.executable.encode())
+    for top in RUN_SOURCES:
+        for p in sorted((REPO / top).rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(REPO)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class Run:
+    """A finished launch: its directory, return code and output."""
+
+    def __init__(self, run_dir: Path, returncode: int, stdout: str, stderr: str):
+        self.dir, self.returncode, self.stdout, self.stderr = run_dir, returncode, stdout, stderr
+
+    def ok(self) -> "Run":
+        """The run, asserting that it exited 0 (the message holds the end of its output)."""
+        assert self.returncode == 0, f"{self.dir}: exit {self.returncode}\n{self.stdout[-3000:]}\n---\n{self.stderr[-3000:]}"
+        return self
+
+    def metrics(self) -> list[dict]:
+        return metrics(self.dir)
+
+    def epochs(self) -> list[dict]:
+        """The metrics rows of trained epochs (evaluation-only rows left out)."""
+        return [r for r in self.metrics() if "time/epoch" in r]
+
+
+class RunCache:
+    """Each distinct tiny configuration (script, recipe, overrides, world size) is launched once and
+    every check reads that launch's outputs. Runs live under `root` (shared by the session's workers),
+    each beside a `<name>.result.json` with its status and output; with `persist` (make's test targets
+    set PACO_RUN_CACHE) the root is a folder named by a digest of the sources (RUN_SOURCES), so `make
+    test` and `make test-runs` in one tree share a launch, and any change to the code launches it
+    again. Checks must not write into a cached run's directory: a resume works on a copy
+    (`resume_copy`)."""
+
+    def __init__(self, root: Path, persist: bool = False):
+        self.root = root / source_digest() if persist else root
+        self.persist = persist
+        self.launched: list[str] = []  # the names this session launched (the others came from disk)
+        self._runs: dict[tuple, Run] = {}
+
+    def get(self, name: str, *sets: str, script: str = "launch/train.py", nproc: int = 2, config: Path = TINY,
+            timeout: float = 900) -> Run:
+        """The run `name` (a directory name, unique per configuration) of `config` with `sets`. Pytest's
+        workers (pytest-xdist) share the root: the first to ask launches it, holding a lock on
+        `<name>.lock`, and the others wait for it and read its result."""
+        import fcntl
+
+        key = (script, nproc, str(config), sets)
+        if key in self._runs:
+            return self._runs[key]
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._get_locked(name, key, timeout)
+
+    def _get_locked(self, name: str, key: tuple, timeout: float) -> Run:
+        script, nproc, config, sets = key
+        run_dir = self.root / name
+        stamp = run_dir.parent / f"{name}.result.json"
+        if stamp.is_file():
+            saved = json.loads(stamp.read_text())
+            if saved["key"] == [script, nproc, str(config), list(sets)]:
+                self._runs[key] = Run(run_dir, saved["returncode"], saved["stdout"], saved["stderr"])
+                return self._runs[key]
+        clash = [k for k, r in self._runs.items() if r.dir == run_dir]
+        assert not clash, f"run name {name!r} is used for two configurations: {clash[0]} and {key}"
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        proc = run_trainer(run_dir, *sets, nproc=nproc, script=script, timeout=timeout, config=Path(config))
+        self.launched.append(name)
+        run = Run(run_dir, proc.returncode, proc.stdout, proc.stderr)
+        stamp.write_text(json.dumps({"key": [script, nproc, str(config), list(sets)], "returncode": proc.returncode,
+                                     "stdout": proc.stdout, "stderr": proc.stderr}))
+        self._runs[key] = run
+        return run

@@ -21,6 +21,8 @@ from paco_ds.errors import ConfigError, DataError
 from paco_ds.grpo.plan import check_recipe, load_config
 from paco_ds.sft.config import SFTConfig, load_sft_config
 
+pytestmark = pytest.mark.fast
+
 SFT_TINY = REPO / "configs" / "tiny" / "reward_sft.yaml"
 
 
@@ -246,11 +248,15 @@ def test_a_noise_step_past_the_last_step_is_refused():
 
 
 def test_the_tiny_recipes_still_load_and_plan():
+    planned = []
     for path in sorted((REPO / "configs" / "tiny").glob("*.yaml")):
         if path.name == "reward_sft.yaml":
-            load_sft_config(path)
+            assert load_sft_config(path).run_name
         else:
-            check_recipe(load_config(path), 2)
+            plan, n_train, _ = check_recipe(load_config(path), 2)
+            assert n_train > 0 and plan.samples_per_epoch > 0, path.name
+            planned.append(path.name)
+    assert len(planned) >= 10 and "t2is.yaml" in planned
 
 
 # ------------------------------------------------------------------------------------ reward-model SFT

@@ -8,6 +8,8 @@ from paco_ds.config import Config
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.plan import derive, load_config
 
+pytestmark = pytest.mark.fast
+
 
 def test_flux_t2is_recipe_has_the_paper_values():
     c = load_config(REPO / "configs" / "flux_t2is.yaml")

@@ -15,6 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import paco_ds.distributed as D
 from distributed_runs import free_port
 
+pytestmark = pytest.mark.fast
+
 
 class _Reduced(Exception):
     """Raised by the stand-in all_reduce once it has checked the tensor (fake tensors hold no data)."""

@@ -1,5 +1,6 @@
 """The docs a newcomer reads: README.md stays short and reaches every page of docs/, every link
 resolves (files and #anchors), and nothing in the repository cites a file a reader cannot open."""
+import pytest
 import io
 import re
 import subprocess
@@ -7,6 +8,8 @@ import tokenize
 from pathlib import Path
 
 from conftest import REPO
+
+pytestmark = pytest.mark.fast
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 OUR_DIRS = ("paco_ds", "kernels", "launch", "benchmarks", "tests", "configs", "csrc", "docs")

@@ -10,6 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import bundle  # noqa: E402
 
+pytestmark = pytest.mark.fast
+
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
     path = folder / f"{name}-{version}-py3-none-any.whl"

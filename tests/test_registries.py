@@ -11,6 +11,8 @@ from paco_ds.models.flux import FluxPolicy
 from paco_ds.rewards.base import Reward, RewardResult
 from paco_ds.rewards.registry import build_reward
 
+pytestmark = pytest.mark.fast
+
 
 class OwnPolicy(FluxPolicy):
     default_path = "someone/own-checkpoint"

@@ -1,13 +1,20 @@
 """The package layout and set-up: our `kernels` package coexists with transformers/diffusers."""
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, run_cli
 
+pytestmark = pytest.mark.fast
 
-def test_top_level_layout():
-    for name in ["paco_ds", "kernels", "configs", "launch", "tests", "csrc", "benchmarks", "setup.py", "README.md",
-                 "Makefile", ".ci/run"]:
-        assert (REPO / name).exists(), name
+
+@pytest.mark.parametrize("command", [["launch/train.py"], ["launch/sft.py"], ["launch/evaluate.py"],
+                                     ["launch/cluster.py"], ["launch/serve_reward.py"], ["-m", "kernels.bench"]])
+def test_every_entry_point_answers_help(command):
+    # the product's commands (README) parse their command line before anything heavy is imported
+    out = run_cli(*command, "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:") and "--help" in out.stdout
 
 
 def test_our_kernels_package_does_not_break_transformers_or_diffusers():

@@ -15,6 +15,8 @@ from paco_ds.errors import ConfigError
 from paco_ds.serving.routing import choose, is_local, parse
 from tests.distributed_runs import REPO, TINY, cpu_env
 
+pytestmark = pytest.mark.fast
+
 TWO_BY_EIGHT = "# two GPU nodes\nnode-0 slots=8   # judge on GPU 0\n\nnode-1 slots=8\n"
 
 

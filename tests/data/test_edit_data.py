@@ -14,6 +14,8 @@ from paco_ds.data import PromptItem, load_prompts, read_reference
 from paco_ds.data.edit import clear_reference_cache, reference_cache_stats, set_reference_cache_size
 from paco_ds.errors import DataError, exit_on_user_error
 
+pytestmark = pytest.mark.fast
+
 TINY = REPO / "paco_ds/data/prompts/tiny_edit"
 
 

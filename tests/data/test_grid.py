@@ -8,6 +8,8 @@ from PIL import Image
 from conftest import SHARED_DATA, shared_file
 from paco_ds.images import grid_shape, make_grid, split_panels, split_prompt
 
+pytestmark = pytest.mark.fast
+
 
 def _real_items():
     items = []

@@ -8,6 +8,8 @@ from conftest import REPO, shared_file
 from paco_ds.data import KRepeatSampler, load_prompts, load_t2is_jsonl, load_text_prompts
 from paco_ds.errors import DataError
 
+pytestmark = pytest.mark.fast
+
 TINY_TRAIN = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
 
 

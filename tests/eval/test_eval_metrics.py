@@ -5,6 +5,8 @@ import pytest
 
 from paco_ds.eval.metrics import overall_score, rank_item_metrics, summarize_edit, summarize_rank
 
+pytestmark = pytest.mark.fast
+
 
 def test_rank_metrics_reference_form_and_rank_vector_form_differ_as_worked_out():
     # scores per candidate c0..c3 -> pred (best first) = [0, 2, 3, 1]; annotated gt = [0, 1, 3, 2]

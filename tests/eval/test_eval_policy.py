@@ -10,6 +10,8 @@ import pytest
 
 from distributed_runs import REPO, cpu_env, free_port, metrics, run_trainer, tail
 
+pytestmark = pytest.mark.runs
+
 # The test rewards need no judge; training without it (jpeg alone) still moves the LoRA.
 NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
 

@@ -13,6 +13,7 @@ from paco_ds.eval.judge import LocalJudge, ServedJudge
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 
+
 MODEL = "paco-reward-tiny"
 
 
@@ -44,6 +45,7 @@ def _scores(summary):
     return [s for it in summary["items"] for k in ("prompt_following", "consistency") for s in it[k]]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bench", ["consistency_rank", "edit_reward"])
 def test_served_and_in_process_judges_agree_and_a_resumed_run_equals_one_run(bench, data, server, local, tmp_path):
     root = data[0] if bench == "consistency_rank" else data[1]
@@ -79,6 +81,7 @@ def test_served_and_in_process_judges_agree_and_a_resumed_run_equals_one_run(ben
     assert page.count("<img src=\"data:image/png;base64,") >= (5 if bench == "consistency_rank" else 3)
 
 
+@pytest.mark.runs
 def test_cli_table_and_bad_input(data, tmp_path):
     out = tmp_path / "cli"
     p = run_cli(str(REPO / "launch/evaluate.py"), "reward", "--bench", "edit_reward", "--data", str(data[1]),

@@ -11,6 +11,8 @@ from PIL import Image
 from conftest import REPO, run_cli
 from paco_ds.report import change, series, write_report
 
+pytestmark = pytest.mark.fast
+
 TEST_FILE = "paco_ds/data/prompts/tiny_t2is_test.jsonl"
 REWARDS = {"combined": [-4.40, -4.35, -4.30, -4.25, -4.20], "jpeg_compressibility": [-4.8, -4.7, -4.75, -4.6, -4.5],
            "subfig_clipT": [0.20, 0.18, 0.22, 0.19, 0.21]}

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.gpu
+
 PROBE = Path(__file__).resolve().parent / "flux_lora_probe.py"
 
 

@@ -14,6 +14,8 @@ from .gpu_checks import check_advantages_dtype, check_ppo_dtype
 from kernel_checks import check_kl, check_scoring
 from weighted_ce_checks import check_against_float64
 
+pytestmark = pytest.mark.gpu
+
 DEVICE = "cuda"
 FLUX_512 = (4, 1024, 64)  # [B, L, C] packed latents of 512 px images
 

@@ -6,6 +6,8 @@ import kernels
 from kernel_checks import (check_advantages, check_kl, check_ppo, check_rollout_equals_training, check_sampling,
                            check_scoring)
 
+pytestmark = pytest.mark.gpu
+
 DEVICE = "cuda"
 FLUX_512, FLUX_1024 = (4, 1024, 64), (2, 4096, 64)
 

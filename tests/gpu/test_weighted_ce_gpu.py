@@ -6,6 +6,8 @@ import kernels
 from paco_ds.sft.loss import naive_weighted_ce, sft_loss
 from weighted_ce_checks import check_against_float64, make_case, rel
 
+pytestmark = pytest.mark.gpu
+
 DEVICE = "cuda"
 
 

@@ -8,6 +8,8 @@ from paco_ds.errors import ConfigError, RewardError
 from paco_ds.grpo.advantages import StatTracker, group_ranks
 from paco_ds.rewards.aggregate import aggregate
 
+pytestmark = pytest.mark.fast
+
 
 def tracker(fn="weighted_sum", weights=None, center=True, threshold="mean", **adv):
     return StatTracker(AdvantageConfig(**adv), AggregationConfig(fn=fn, center=center, threshold=threshold),

@@ -14,6 +14,8 @@ from paco_ds.errors import ConfigError
 from paco_ds.grpo.advantages import StatTracker
 from paco_ds.rewards.aggregate import aggregate
 
+pytestmark = pytest.mark.fast
+
 REWARDS = {"consistency_score": np.array([0.9, 0.1]), "subfig_clipT": np.array([0.3, 0.3]),
            "pickscore": np.array([0.85, 0.85])}
 WEIGHTS = {"consistency_score": 0.2, "subfig_clipT": 1.0, "pickscore": 1.0}

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.runs
+
 
 def test_quick_run_compares_both_epochs(tmp_path):
     out_file = tmp_path / "gvr.json"

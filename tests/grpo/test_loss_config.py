@@ -8,6 +8,8 @@ import pytest
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.plan import load_config
 
+pytestmark = pytest.mark.fast
+
 TINY = "configs/tiny/t2is.yaml"
 AWM = "configs/tiny/t2is_awm.yaml"
 

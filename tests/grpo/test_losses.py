@@ -7,6 +7,8 @@ from paco_ds.grpo.losses import nft_loss, old_policy_decay, optimality_weight, r
 from paco_ds.grpo.plan import load_config
 from paco_ds.sampling.window import rollout_steps, window_start
 
+pytestmark = pytest.mark.fast
+
 TINY = "configs/tiny/t2is.yaml"
 
 

@@ -4,9 +4,14 @@ import pytest
 
 from distributed_runs import REPO, metrics, resume_copy, run_trainer, stable, tail
 
+pytestmark = pytest.mark.runs
+
 SHORT = ("train.num_epochs=2", "sample.group_size=4", "test.eval_freq=0", "checkpoint.save_freq=1",
          "checkpoint.keep_last=2", "logging.num_train_images=0", "reward_servers=null",
          "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}", "rewards.test=null")
+
+
+AWM = REPO / "configs/tiny/t2is_awm.yaml"
 
 
 def _resumes_exactly(tmp_path, config, *sets):
@@ -17,7 +22,9 @@ def _resumes_exactly(tmp_path, config, *sets):
     assert resumed.returncode == 0, tail(resumed)
     assert "resumed from" in resumed.stdout
     assert stable(metrics(tmp_path / "resumed")) == stable(metrics(full))
-    return [r for r in metrics(full) if "time/epoch" in r]
+    rows = [r for r in metrics(full) if "time/epoch" in r]
+    assert [r["epoch"] for r in rows] == [0, 1]  # SHORT's 2 epochs, each trained
+    return rows
 
 
 def test_nft_runs_without_sde_log_probs_and_resumes_exactly(tmp_path):
@@ -45,3 +52,26 @@ def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(t
         for t in (0, 1):
             for k in ("raw_mean", "raw_std", "norm_mean", "norm_std"):
                 assert f"train/guard/window{t}/logratio_{k}" in r
+
+
+def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
+    # The recipe with the EMA anchor (its weights live in the checkpoint): 1 optimizer step per epoch.
+    sets = ("train.awm.ema_beta=1.0",)
+    full = tmp_path / "full"
+    proc = run_trainer(full, *SHORT, *sets, config=AWM)
+    assert proc.returncode == 0, tail(proc)
+    resumed = resume_copy(full, tmp_path / "resumed", "epoch_0001", *SHORT, *sets, config=AWM)
+    assert resumed.returncode == 0, tail(resumed)
+    assert "resumed from" in resumed.stdout
+    assert stable(metrics(tmp_path / "resumed")) == stable(metrics(full))
+    rows = [r for r in metrics(full) if "time/epoch" in r]
+    for r in rows:
+        assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
+        # per rank: 4 samples x 3 levels, each the anchor's forward (no grad) + the current one
+        assert r["train/micro_steps"] == 12 and r["train/forwards_per_step"] == 2.0
+        assert r["train/ratio_first"] == 1.0 and r["train/kl"] == 0.0
+    # linear: min(0.3, 0.001 x optimizer steps), one step per epoch
+    assert [r["train/awm_anchor_decay"] for r in rows] == pytest.approx([0.001, 0.002])
+    # epoch 0 trains the initial weights, which the anchor holds; epoch 1's differ from the blend
+    assert rows[0]["train/ema_kl"] == 0.0 and rows[1]["train/ema_kl"] > 0
+    assert rows[1]["train/grad_norm"] > 0

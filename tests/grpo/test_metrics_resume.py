@@ -7,6 +7,8 @@ import pytest
 from paco_ds.errors import DataError
 from paco_ds.metrics import MetricsLogger
 
+pytestmark = pytest.mark.fast
+
 
 def _logger(tmp_path):
     return MetricsLogger(tmp_path, enabled=True, tensorboard=False)

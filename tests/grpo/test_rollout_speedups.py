@@ -12,6 +12,8 @@ from paco_ds.grpo.rollouts import Rollouts
 from paco_ds.sampling.rollout import transition_log_prob
 from paco_ds.sampling.solver import Step, multistep_velocity, ode_stretches, step_plan
 
+pytestmark = pytest.mark.fast
+
 SIZE = 64
 
 

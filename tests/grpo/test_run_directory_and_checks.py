@@ -22,6 +22,8 @@ from paco_ds.errors import ConfigError, DataError, UserError
 from paco_ds.grpo.plan import check_recipe, load_config
 from paco_ds.runlock import LOCK_NAME, RunDirBusy, RunLock
 
+pytestmark = pytest.mark.fast
+
 NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}",
             "rewards.test=null")
 

@@ -11,6 +11,8 @@ from paco_ds.rewards.base import Reward, RewardResult
 from paco_ds.sampling.rollout import (Trajectory, gather_samples, make_generator, sample_trajectories,
                                      training_batch, transition_log_prob)
 
+pytestmark = pytest.mark.fast
+
 
 class _ConditionedPolicy:
     """Wraps the tiny FLUX policy as an editing policy would be: the velocity reads the condition

@@ -22,6 +22,8 @@ import pytest
 from distributed_runs import REPO, cpu_env, launch_cmd, metrics, run_trainer, stable, tail
 from paco_ds.checkpoint import verify
 
+pytestmark = pytest.mark.stop
+
 NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
 SHORT = ("sample.group_size=4", "test.eval_freq=0", "logging.num_train_images=0", "checkpoint.keep_last=3")
 # The tiny judge's vocabulary bounds the log-probs it can return.

@@ -16,6 +16,8 @@ import torch
 from conftest import REPO
 from paco_ds.storage import StorageError, storage_failure, writing
 
+pytestmark = pytest.mark.fast
+
 
 def _raised(fn):
     try:

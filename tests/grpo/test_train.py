@@ -1,30 +1,25 @@
 """The GRPO trainer for real: the deepspeed launcher, 2 processes, ZeRO-3 over gloo, tiny models.
 
-One 4-epoch run of the tiny recipe as shipped (all three PaCo rewards, the consistency judge on an
-hf-engine server the run starts and stops; through tests/scripts/train_probe.py, which also
-records the partitioning and the gathered LoRA of each rank) serves several checks; the resume,
-kill and learning tests run their own.
+The fast tier's one shared run: 4 epochs of the tiny recipe as shipped (all three PaCo rewards, the
+consistency judge on an hf-engine server the run starts and stops; through tests/scripts/train_probe.py,
+which also records the partitioning and the gathered LoRA of each rank), launched once per session by
+the run cache, serves every check here. Its resume, a killed rank and a run that learns are in
+tests/grpo/test_train_runs.py.
 """
 import json
 import math
-import os
-import statistics
-import signal
 import subprocess
-import time
 
-import psutil
 import pytest
 from PIL import Image
 
-from distributed_runs import REPO, cpu_env, launch_cmd, metrics, resume_copy, run_trainer, stable, tail
+from distributed_runs import REPO, cpu_env, metrics, tail
+
+pytestmark = pytest.mark.fast
 
 # Short runs: 4 epochs of 2 prompts x 4 images, eval and checkpoints every 2.
 FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
         "checkpoint.keep_last=2")
-
-# Without the judge server (faster) where a test is not about rewards.
-NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
 
 EPOCH_FIELDS = [
     "reward/jpeg_compressibility/mean", "reward/jpeg_compressibility/std", "reward/subfig_clipT/mean",
@@ -36,11 +31,8 @@ EPOCH_FIELDS = [
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("grpo") / "full"
-    proc = run_trainer(run_dir, *FAST, script="tests/scripts/train_probe.py")
-    assert proc.returncode == 0, tail(proc)
-    return run_dir
+def full_run(runs):
+    return runs.get("t2is_full", *FAST, script="tests/scripts/train_probe.py").ok().dir
 
 
 def _probes(run_dir):
@@ -75,7 +67,9 @@ def test_metrics_have_every_field_for_every_epoch(full_run):
 
 
 def test_ratio_is_exactly_one_on_the_first_micro_step_and_one_forward_per_step(full_run):
-    for r in (r for r in metrics(full_run) if "time/epoch" in r):
+    rows = [r for r in metrics(full_run) if "time/epoch" in r]
+    assert len(rows) == 4
+    for r in rows:
         assert r["train/ratio_first"] == 1.0
         assert r["train/forwards_per_step"] == 1.0  # beta = 0: no reference forward
         # noise at every step (sample.noise_steps 0..5): nothing is shared or walked in fewer steps
@@ -100,64 +94,7 @@ def test_run_leaves_checkpoints_lora_and_report(full_run):
     assert page.count("data:image/png;base64,") >= 3 and "Train rewards" in page
 
 
-def test_exact_resume(full_run, tmp_path):
-    """The run resumed from its epoch-2 checkpoint (in a copy of its directory) through
-    launch/train.py ends with exactly the run's own metrics."""
-    run_dir = tmp_path / "resumed"
-    resumed = resume_copy(full_run, run_dir, "epoch_0002", *FAST)
-    assert resumed.returncode == 0, tail(resumed)
-    assert "resumed from" in resumed.stdout
-    assert stable(metrics(run_dir)) == stable(metrics(full_run))
 
-
-def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
-    run_dir = tmp_path / "killed"
-    launcher = subprocess.Popen(launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "test.eval_freq=0",
-                                           "checkpoint.save_freq=1", "logging.num_train_images=0", *NO_JUDGE),
-                                cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        latest = run_dir / "checkpoints" / "latest"
-        while not (latest.is_file() and latest.read_text() >= "epoch_0002"):
-            assert launcher.poll() is None and time.time() < deadline, "training did not reach epoch 2"
-            time.sleep(0.5)
-        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if any(a.startswith("--local_rank=1") for a in p.cmdline())]
-        assert len(ranks) == 1
-        ranks[0].send_signal(signal.SIGKILL)
-        rc = launcher.wait(timeout=60)  # a run that hung on the dead rank would time out here
-        assert rc != 0
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    # The last complete checkpoint still loads: export its LoRA (a 2-process run restores it).
-    export = run_trainer(run_dir, *NO_JUDGE, extra=("--export-lora", "latest"))
-    assert export.returncode == 0, tail(export)
-    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
-
-
-def test_jpeg_compressibility_is_learned(tmp_path):
-    """GRPO on the jpeg_compressibility reward alone raises it within 16 epochs.
-
-    The run draws the same 2 prompts every epoch (a 2-prompt file), so epoch means compare like
-    with like. Statistic: the mean reward of the last 5 epochs minus that of the first 5 must exceed
-    3 standard errors of that difference (from the spread of the epoch means within each window),
-    and 0.05 bits per pixel. Measured here: +0.19 at 6.9 standard errors.
-    """
-    prompts = tmp_path / "two_prompts.jsonl"
-    lines = (REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl").read_text().splitlines()
-    prompts.write_text("\n".join(lines[:2]) + "\n")
-    run_dir = tmp_path / "learn"
-    proc = run_trainer(run_dir, f"data.train_file={prompts}", "train.num_epochs=16", "test.eval_freq=0",
-                       "checkpoint.save_freq=0", "logging.num_train_images=0", "reward_servers=null",
-                       "rewards.train={terms: {jpeg_compressibility: {weight: 1.0}}}")
-    assert proc.returncode == 0, tail(proc)
-    r = [row["reward/jpeg_compressibility/mean"] for row in metrics(run_dir) if "time/epoch" in row]
-    first, last = r[:5], r[-5:]
-    margin = statistics.mean(last) - statistics.mean(first)
-    stderr = math.sqrt(statistics.variance(first) / 5 + statistics.variance(last) / 5)
-    assert margin > max(3 * stderr, 0.05), (r, margin, stderr)
 
 
 def test_export_lora_from_one_process_matches_the_runs_own_export(full_run, tmp_path):

@@ -11,6 +11,8 @@ from PIL import Image
 
 from distributed_runs import REPO, metrics, resume_copy, run_trainer, stable, tail
 
+pytestmark = pytest.mark.runs
+
 FAMILIES = {"kontext_edit": REPO / "configs/tiny/kontext_edit.yaml", "qwen_edit": REPO / "configs/tiny/qwen_edit.yaml"}
 SHORT = ("train.num_epochs=2", "test.eval_freq=1", "checkpoint.save_freq=1", "checkpoint.keep_last=2",
          "logging.tensorboard=false")

@@ -20,6 +20,8 @@ triton = pytest.importorskip("triton")
 
 from kernels import aot, geometry as G  # noqa: E402
 
+pytestmark = pytest.mark.runs
+
 REPO = Path(__file__).resolve().parents[2]
 
 

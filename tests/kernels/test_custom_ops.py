@@ -11,6 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kernels
 from kernels import sde_logprob
 
+pytestmark = pytest.mark.fast
+
 pytest.importorskip("triton")
 B, L, C = 2, 16, 8
 
@@ -25,7 +27,6 @@ def _fake_cuda(*shapes, dtype=torch.bfloat16, grad=False):
 def test_ops_are_registered_with_fake_impls():
     from kernels import grpo, weighted_ce  # noqa: F401 - `import kernels` alone imports no op (nor torch)
 
-    assert kernels.CUSTOM_OPS
     for name in ("sde_logprob", "sde_logprob_backward", "kl_to_reference", "kl_to_reference_backward", "ppo_clip",
                  "ppo_clip_backward", "grpo_advantages", "weighted_linear_ce"):
         op = getattr(torch.ops.paco, name).default

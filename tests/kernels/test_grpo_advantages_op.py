@@ -6,6 +6,8 @@ import kernels
 from kernel_checks import check_advantages, check_ppo
 from kernels.grpo import LogTameDomainError
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("global_std", [True, False])
 @pytest.mark.parametrize("log_tame", [None, "mean", "median", 0.5])

@@ -1,7 +1,11 @@
 """`python -m kernels.bench` runs and writes its JSON and PNG (a smoke run on small settings)."""
 import json
 
+import pytest
+
 from conftest import run_cli
+
+pytestmark = pytest.mark.runs
 
 
 def test_bench_quick_run_writes_json_and_png(tmp_path):

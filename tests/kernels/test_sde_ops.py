@@ -18,6 +18,8 @@ from kernel_checks import (NOISE_LEVEL, SIGMA_MAX, check_kl, check_rollout_equal
 from kernels import cpp
 from kernels.sde_reference import SDEStep, sde_step as sde_ref
 
+pytestmark = pytest.mark.fast
+
 # 37 x 61 is not a multiple of the 64 lanes; 129 x 65 spans 3 chunks of 4096 with a ragged tail.
 SHAPES = [(3, 37, 61), (2, 129, 65)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -14,6 +14,8 @@ from conftest import TRITON_DEVICE, in_parent_on_cpu, run_in_triton_interpreter,
 from kernel_checks import (check_advantages, check_kl, check_ppo, check_rollout_equals_training, check_sampling,
                            check_scoring)
 
+pytestmark = pytest.mark.runs  # a pytest of its own under TRITON_INTERPRET=1 (tens of seconds)
+
 pytest.importorskip("triton")
 
 DEVICE = TRITON_DEVICE

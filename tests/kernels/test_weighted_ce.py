@@ -6,6 +6,8 @@ import kernels
 from paco_ds.sft.loss import first_token_weights, naive_weighted_ce, sft_loss, shift_labels
 from weighted_ce_checks import N_FIRST, SPANS, check_against_float64, loss64, make_case
 
+pytestmark = pytest.mark.fast
+
 ALPHAS = [None, 0.0, 0.1, 1 / N_FIRST, 1.0]
 
 

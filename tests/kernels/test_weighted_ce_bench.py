@@ -1,7 +1,11 @@
 """`python benchmarks/weighted_ce.py --quick` runs and writes its JSON (a smoke run at small sizes)."""
 import json
 
+import pytest
+
 from conftest import run_cli
+
+pytestmark = pytest.mark.runs
 
 
 def test_quick_run_writes_json(tmp_path):

@@ -10,6 +10,8 @@ import torch
 from conftest import TRITON_DEVICE, in_parent_on_cpu, run_in_triton_interpreter, triton_kernel_test
 from weighted_ce_checks import N_FIRST, check_against_float64
 
+pytestmark = pytest.mark.runs  # a pytest of its own under TRITON_INTERPRET=1 (tens of seconds)
+
 pytest.importorskip("triton")
 
 DEVICE = TRITON_DEVICE

@@ -19,6 +19,7 @@ from paco_ds.models.flux import FluxPolicy
 from paco_ds.models.lora import add_lora
 
 
+
 @pytest.fixture(scope="module")
 def policies():
     policy = FluxPolicy.load(ModelConfig(tiny=True), torch.device("cpu"))
@@ -63,6 +64,7 @@ def _compiles() -> dict:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
+@pytest.mark.runs
 def test_no_graph_break_and_no_recompile_from_one_epoch_to_the_next(policies):
     policy, _ = policies
     _epoch(policy, policy.transformer, ["a red cube", "two cats"], seed=0)
@@ -73,6 +75,7 @@ def test_no_graph_break_and_no_recompile_from_one_epoch_to_the_next(policies):
     assert _compiles() == first
 
 
+@pytest.mark.runs
 def test_compiled_equals_eager_within_float_tolerance(policies):
     policy, eager = policies
     prompts = ["a red cube", "two cats"]
@@ -86,6 +89,7 @@ def test_compiled_equals_eager_within_float_tolerance(policies):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_zero3_refuses_compile_in_one_line_naming_the_key(tmp_path):
     args = [sys.executable, str(REPO / "launch/train.py"), "--config", str(TINY)]
     for s in (f"output_dir={tmp_path}", "run_name=z3", "model.compile=true", "deepspeed.zero_stage=3"):

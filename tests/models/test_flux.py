@@ -9,6 +9,8 @@ from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
 from conftest import REPO
 
+pytestmark = pytest.mark.fast
+
 PROMPTS = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
 
 

@@ -15,6 +15,8 @@ from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_st
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
 from paco_ds.models.schedule import flux_sigmas
 
+pytestmark = pytest.mark.fast
+
 PROMPTS = ["turn the sky red", "add a hat to the cat"]
 GUIDANCE = 2.5  # the Kontext recipe's guidance scale
 

@@ -10,6 +10,8 @@ from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_st
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.sampling.rollout import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
+pytestmark = pytest.mark.fast
+
 # The recipe's targets: attention and MLP of both streams, in Qwen-Image's names.
 QWEN_LORA_TARGETS = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
                      "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",

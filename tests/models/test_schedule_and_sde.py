@@ -8,6 +8,8 @@ import torch
 from kernels.sde_reference import kl_to_reference, sde_step, transition_stats
 from paco_ds.models.schedule import calculate_mu, flux_sigmas
 
+pytestmark = pytest.mark.fast
+
 
 def test_flux_sigma_table_512():
     s = flux_sigmas(10, (512 // 16) ** 2)

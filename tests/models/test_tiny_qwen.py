@@ -1,10 +1,13 @@
 """The tiny offline Qwen2.5-VL (the reward model's architecture) saves, reloads and scores a pair."""
+import pytest
 import numpy as np
 import torch
 from PIL import Image
 
 from paco_ds.models.tiny import qwen_tokenizer
 from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl, tiny_qwen2_5_vl
+
+pytestmark = pytest.mark.fast
 
 
 def test_tiny_qwen_roundtrip_and_yes_no_tokens(tmp_path):

@@ -8,7 +8,11 @@ GatheredParameters alone must (still) release them after a forward, which is why
 import json
 import subprocess
 
+import pytest
+
 from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port
+
+pytestmark = pytest.mark.runs
 
 
 def test_pin_keeps_parameters_gathered_for_the_phase_and_releases_after(tmp_path):

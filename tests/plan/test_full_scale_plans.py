@@ -3,14 +3,13 @@
 (the plan's shapes come from the recipe's resolution and the models, not from the prompts)."""
 from __future__ import annotations
 
-import os
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_cli
 
-pytestmark = pytest.mark.skipif(os.environ.get("PACO_TEST_PLAN") != "1",
-                                reason="full-size plans take minutes: make test-plan")
+pytestmark = pytest.mark.plan  # minutes each: make test-plan
 
 T2IS_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
@@ -109,3 +108,23 @@ def test_sd3_pickscore_with_gradient_checkpointing_fits_on_8_x_80(tmp_path):
     # 10 steps of one batched CFG forward each; training recomputes the checkpointed forward
     assert plan.flops["sampling"] > 10 * plan.flops_detail["transformer_forward"] > 0
     assert plan.flops_detail["train_micro_step"] > 3 * plan.flops_detail["transformer_forward"]
+
+
+def test_sd35_medium_parts_count_their_parameters():
+    """SD3.5-Medium's transformer (MMDiT-X: 24 joint blocks, the first 13 with a second image
+    attention) and its three text encoders, built on meta from the repo's configs."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from paco_ds.gpu_plan import models as M
+
+    t = M.sd3_transformer()
+    assert M.count(t) == 2_243_171_520
+    assert sum(1 for b in t.transformer_blocks if b.attn2 is not None) == 13
+    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_L_PROJ)))) == 123_650_304
+    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_G_PROJ)))) == 694_659_840
+    t5 = M.t5_xxl()
+    assert M.count(t5) == 4_762_310_656  # the embedding once, as the checkpoint has it
+    from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
+
+    to_fake_cuda(FakeCuda(), t5, torch.bfloat16)
+    assert t5.encoder.embed_tokens.weight is t5.shared.weight and M.count(t5) == 4_762_310_656

@@ -29,6 +29,8 @@ from paco_ds.rewards.runner import RewardRunner
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 
+pytestmark = pytest.mark.fast
+
 MODEL = "paco-reward-tiny"
 ITEMS = [json.loads(l) for l in (REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl").read_text().splitlines() if l]
 

@@ -21,6 +21,8 @@ from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 from conftest import REPO
 
+pytestmark = pytest.mark.fast
+
 MODEL = "paco-reward-tiny"
 
 

@@ -21,6 +21,8 @@ from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.registry import build_reward
 from paco_ds.rewards.runner import RewardRunner
 
+pytestmark = pytest.mark.fast
+
 PROMPT = 'A neon sign that says "Open Late" above a diner door'
 
 

@@ -25,6 +25,8 @@ from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.registry import build_reward
 from paco_ds.rewards.runner import RewardRunner
 
+pytestmark = pytest.mark.fast
+
 MODEL = "paco-reward-tiny"
 ITEM = json.loads((REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl").read_text().splitlines()[0])
 

@@ -10,6 +10,8 @@ from paco_ds.errors import ConfigError
 from paco_ds.images import split_panels, split_prompt
 from paco_ds.rewards.registry import REWARDS, build_reward
 
+pytestmark = pytest.mark.fast
+
 PROMPT = ("FOUR-PANEL Images with a 2x2 grid layout showing a fox.All images share one style. "
           "[TOP]-[LEFT]:A fox sleeps. [TOP]-[RIGHT]:A fox runs. [BOTTOM]-[LEFT]:A fox eats. [BOTTOM]-[RIGHT]:A fox swims.")
 

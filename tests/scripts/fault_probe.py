@@ -5,8 +5,9 @@ modes:
   nan_loss   the PPO loss is NaN on the 2nd and 3rd micro-steps of the run
   diverge    the PPO loss is always NaN
   nan_grad   the PPO loss is finite, its gradient always NaN (every optimizer step is skipped)
-  nan_grad_once  the same on the first micro-step only (the first optimizer step is skipped)
-  nan_reward jpeg_compressibility returns NaN for the first batch it scores
+  faults     in one run, each fault that training survives: the first batch scored has NaN rewards, the
+             first micro-step's loss a NaN gradient (its optimizer step is skipped), the 2nd and 3rd
+             micro-steps NaN losses
   saved_activations  no fault: every transformer forward that builds a graph records the bytes
              autograd keeps for backward (tensors saved outside checkpointed blocks, parameters
              not counted); the largest is written to saved_activations.json in the run directory
@@ -21,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from paco_ds.errors import exit_on_user_error  # noqa: E402
+from paco_ds.errors import exit_on_user_error, run_entry_point  # noqa: E402
 from paco_ds.rewards.base import RewardResult  # noqa: E402
 from paco_ds.rewards.jpeg_compressibility import JpegCompressibility  # noqa: E402
 
@@ -52,14 +53,16 @@ def main():
         calls["n"] += 1
         if mode == "nan_grad" or calls["n"] == 1:
             loss = NanGrad.apply(loss)
+        elif mode == "faults" and calls["n"] in (2, 3):
+            loss = loss * torch.tensor(float("nan"))
         return loss, stats
 
     real_score = JpegCompressibility.score
 
     def nan_score(self, images, prompts, metadata, ref_images=None):
         res = real_score(self, images, prompts, metadata, ref_images)
-        calls["n"] += 1
-        return RewardResult.ok(np.full_like(res.scores, np.nan)) if calls["n"] == 1 else res
+        calls["scored"] = calls.get("scored", 0) + 1
+        return RewardResult.ok(np.full_like(res.scores, np.nan)) if calls["scored"] == 1 else res
 
     from paco_ds.models.flux import FluxPolicy
 
@@ -87,9 +90,10 @@ def main():
 
     if mode in ("nan_loss", "diverge"):
         kernels.ppo_clip_loss = nan_loss
-    elif mode in ("nan_grad", "nan_grad_once"):
+    elif mode == "nan_grad":
         kernels.ppo_clip_loss = nan_grad
-    elif mode == "nan_reward":
+    elif mode == "faults":
+        kernels.ppo_clip_loss = nan_grad
         JpegCompressibility.score = nan_score
     elif mode == "saved_activations":
         FluxPolicy.velocity = measured_velocity
@@ -106,4 +110,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # exits without interpreter teardown (paco_ds/errors.py)

@@ -3,21 +3,19 @@ vLLM-style endpoints served for real (503 while asleep, in-flight requests drain
 sleep, identical scores after the wake, the judge's RSS awake and asleep), vLLM's command line in
 sleep mode, and the tiny recipe run on one node with `cluster.colocate: true` counting its judge's
 sleeps and wakes in the metrics."""
-import json
 import os
-import subprocess
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import REPO, TINY
-from distributed_runs import DEEPSPEED
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 from paco_ds.serving.sleep import JudgeSleep, JudgeSleepError, base_url, judges_for_run
 from paco_ds.serving.vllm import vllm_command
+
+pytestmark = pytest.mark.fast
 
 MODEL = "paco-reward-tiny"
 TOKEN_ENV, TOKEN = "PACO_TEST_SLEEP_TOKEN", "sleep-token-1"
@@ -130,25 +128,3 @@ def test_vllm_in_sleep_mode():
     assert "--enable-sleep-mode" not in argv and "VLLM_SERVER_DEV_MODE" not in env
 
 
-def test_tiny_run_colocated_sleeps_the_judge_for_training(tmp_path):
-    """2 ZeRO-3 ranks on CPU, 2 epochs, evaluation after the last: epoch 0 sleeps the judge (it starts
-    awake), epoch 1 wakes and sleeps it, the final evaluation wakes it."""
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(manager.free_port()),
-            str(REPO / "launch/train.py"), "--config", str(TINY)]
-    for s in (f"output_dir={tmp_path}", "train.num_epochs=2", "test.eval_freq=2", "checkpoint.save_freq=0",
-              "logging.num_train_images=0", "sample.group_size=4", "sample.noise_steps=[1]",
-              "cluster.colocate=true"):
-        args += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    rows = [json.loads(l) for l in (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    by_epoch = {}
-    for row in rows:
-        by_epoch.setdefault(row["epoch"], {}).update(row)
-    assert [by_epoch[e]["judge/sleeps"] for e in (0, 1)] == [1.0, 1.0]
-    assert [by_epoch[e]["judge/wakes"] for e in (0, 1, 2)] == [0.0, 1.0, 1.0]
-    assert by_epoch[1]["judge/wake_s"] > 0 and by_epoch[0]["judge/sleep_s"] > 0
-    assert all(by_epoch[e]["reward/consistency_score/mean"] == by_epoch[e]["reward/consistency_score/mean"]
-               for e in (0, 1))  # scored (not NaN) every epoch: the judge was awake when it mattered
-    print({e: {k: v for k, v in m.items() if k.startswith("judge/")} for e, m in by_epoch.items()})

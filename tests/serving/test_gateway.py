@@ -18,6 +18,8 @@ from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 
+pytestmark = pytest.mark.fast
+
 TOKEN_ENV, TOKEN = "PACO_TEST_GATEWAY_TOKEN", "gw-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 

@@ -20,6 +20,8 @@ from paco_ds.serving.config import ServersConfig
 from paco_ds.serving.hf_engine import Engine
 from paco_ds.serving.protocol import ChatCompletionRequest
 
+pytestmark = pytest.mark.fast
+
 TOKEN_ENV, TOKEN = "PACO_TEST_ENGINE_TOKEN", "test-token-123"
 MODEL = "paco-tiny"
 QUESTION = "Do the two images show the same subject? Answer Yes or No."

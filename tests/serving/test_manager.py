@@ -11,6 +11,8 @@ from conftest import one_line_error as _one_line_error, run_cli
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 
+pytestmark = pytest.mark.fast
+
 
 def _cli(*args, timeout=180):
     return run_cli("launch/serve_reward.py", *args, timeout=timeout)

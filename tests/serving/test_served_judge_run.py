@@ -1,16 +1,22 @@
 """The tiny T2IS recipe with the consistency judge served by the run itself (2 ZeRO-3 processes on
 CPU): the judge server is killed after the first epoch. With on_failure: raise the run stops
-within the retry budget naming the endpoint; with mask it finishes and counts what it masked."""
+within the retry budget naming the endpoint; with mask it finishes and counts what it masked. And a run
+colocated with its judge sleeps it for training and wakes it for scoring."""
 import json
 import os
 import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import REPO, TINY
 from distributed_runs import DEEPSPEED, finish
 
+from paco_ds.serving import manager
 from paco_ds.serving.manager import free_port
+
+pytestmark = pytest.mark.runs
 
 BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take a second to answer)
 
@@ -31,7 +37,7 @@ def _launch(tmp_path, *sets):
 
 
 def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
-    """Wait for epoch 0's metrics, then SIGKILL the judge server; returns its base URL and the time."""
+    """Wait for epoch 0's metrics, then SIGKILL the judge server; returns its base URL."""
     deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text().strip()):
@@ -41,21 +47,20 @@ def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
     (state_file,) = (run_dir / "reward_servers").glob("*/servers.json")
     state = json.loads(state_file.read_text())
     os.kill(state["servers"][0]["pid"], signal.SIGKILL)
-    return state["endpoints"]["paco-reward-tiny"], time.monotonic()
+    return state["endpoints"]["paco-reward-tiny"]
 
 
 def test_judge_killed_with_raise_stops_the_run_naming_the_endpoint(tmp_path):
     proc = _launch(tmp_path, "train.num_epochs=6", "rewards.train.on_failure=raise")
-    url, killed = _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
+    url = _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
     code = finish(proc, timeout=60)
-    elapsed = time.monotonic() - killed
     out = (tmp_path / "run.log").read_text()
     assert code != 0
     assert f"reward server {url} (model 'paco-reward-tiny')" in out and "connection failed" in out
     assert "Traceback" not in out  # a reward server failure is a user-facing one-liner
     # Stopped in the first epoch after the kill: one retry budget plus process teardown.
     lines = (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().strip().splitlines()
-    assert len(lines) <= 2, (len(lines), elapsed)
+    assert len(lines) <= 2, lines
 
 
 def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path):
@@ -72,3 +77,27 @@ def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path
     assert rows[-1]["reward/masked"] == samples  # the last epoch had no judge at all
     assert rows[-1]["reward/failures"] >= samples  # cumulative over ranks and epochs
     assert "reward 'consistency_score' failed on" in out and "(masked)" in out
+
+
+def test_tiny_run_colocated_sleeps_the_judge_for_training(tmp_path):
+    """2 ZeRO-3 ranks on CPU, 2 epochs, evaluation after the last: epoch 0 sleeps the judge (it starts
+    awake), epoch 1 wakes and sleeps it, the final evaluation wakes it."""
+    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(manager.free_port()),
+            str(REPO / "launch/train.py"), "--config", str(TINY)]
+    for s in (f"output_dir={tmp_path}", "train.num_epochs=2", "test.eval_freq=2", "checkpoint.save_freq=0",
+              "logging.num_train_images=0", "sample.group_size=4", "sample.noise_steps=[1]",
+              "cluster.colocate=true"):
+        args += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    rows = [json.loads(l) for l in (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    by_epoch = {}
+    for row in rows:
+        by_epoch.setdefault(row["epoch"], {}).update(row)
+    assert [by_epoch[e]["judge/sleeps"] for e in (0, 1)] == [1.0, 1.0]
+    assert [by_epoch[e]["judge/wakes"] for e in (0, 1, 2)] == [0.0, 1.0, 1.0]
+    assert by_epoch[1]["judge/wake_s"] > 0 and by_epoch[0]["judge/sleep_s"] > 0
+    assert all(by_epoch[e]["reward/consistency_score/mean"] == by_epoch[e]["reward/consistency_score/mean"]
+               for e in (0, 1))  # scored (not NaN) every epoch: the judge was awake when it mattered
+    print({e: {k: v for k, v in m.items() if k.startswith("judge/")} for e, m in by_epoch.items()})

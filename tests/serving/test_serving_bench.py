@@ -1,7 +1,11 @@
 """The serving benchmarks run end to end against a real hf-engine server and write their JSON."""
 import json
 
+import pytest
+
 from conftest import run_cli
+
+pytestmark = pytest.mark.runs
 
 
 def test_load_8_clients_x_50_requests_without_errors(tmp_path):

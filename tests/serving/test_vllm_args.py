@@ -12,6 +12,8 @@ from paco_ds.serving.config import ServersConfig, build_servers_config, config_f
 from paco_ds.serving.tiny_judge import TINY_JUDGE_HEAD_DIM, TINY_JUDGE_VOCAB_SIZE
 from paco_ds.serving.manager import endpoints, plan
 
+pytestmark = pytest.mark.fast
+
 
 def _cfg(**kw):
     kw.setdefault("models", [{"name": "PaCo-Reward-7B", "path": "/ckpt/paco-reward-7b"}])

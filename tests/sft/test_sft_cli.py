@@ -6,6 +6,8 @@ from PIL import Image
 
 from conftest import REPO, run_cli
 
+pytestmark = pytest.mark.fast
+
 TINY = str(REPO / "configs" / "tiny" / "reward_sft.yaml")
 
 

@@ -7,6 +7,8 @@ from conftest import REPO
 from paco_ds.errors import ConfigError
 from paco_ds.sft.config import load_sft_config
 
+pytestmark = pytest.mark.fast
+
 RECIPE = REPO / "configs" / "paco_reward_sft.yaml"
 TINY = REPO / "configs" / "tiny" / "reward_sft.yaml"
 

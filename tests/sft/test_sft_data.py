@@ -9,6 +9,8 @@ from paco_ds.errors import DataError
 from paco_ds.sft.data import (IGNORE_INDEX, Collator, Encoder, SFTDataset, eval_batches, load_records,
                               train_batches, write_synthetic_dataset)
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
 def processor():

@@ -10,6 +10,8 @@ from paco_ds.sft.loss import naive_weighted_ce
 from paco_ds.sft.model import (RewardSFTModel, add_lora, base_path, enable_gradient_checkpointing, load_model,
                                load_processor, write_tiny_base)
 
+pytestmark = pytest.mark.fast
+
 TINY = REPO / "configs" / "tiny" / "reward_sft.yaml"
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
+pytestmark = pytest.mark.runs
+
 TINY = str(REPO / "configs" / "tiny" / "reward_sft.yaml")
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
 

@@ -8,11 +8,15 @@ import json
 import subprocess
 import textwrap
 
+import pytest
+
 from paco_ds.serving.config import ServersConfig
 from paco_ds.serving.sleep import sleep_path
 from paco_ds.serving.vllm import VLLM_MODULE, vllm_command
 
 from .conftest import VLLM_PYTHON
+
+pytestmark = pytest.mark.vllm
 
 
 def _in_vllm(code: str, *args: str) -> dict:

@@ -17,6 +17,8 @@ from paco_ds.serving import manager
 
 from .conftest import JUDGE, VOCAB, servers_config
 
+pytestmark = pytest.mark.vllm
+
 HF_NAME = "paco-reward-tiny-hf"
 
 

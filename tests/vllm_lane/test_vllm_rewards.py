@@ -16,6 +16,8 @@ from paco_ds.rewards.registry import build_reward
 
 from .conftest import JUDGE, VOCAB
 
+pytestmark = pytest.mark.vllm
+
 ITEMS = [json.loads(l) for l in (REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl").read_text().splitlines() if l]
 # float32 on both sides: P(Yes) came out bit-identical here; 1e-6 leaves room for the summation
 # order of other attention kernels, while a different template, image preprocessing or logprob

@@ -1,13 +1,16 @@
-"""Tiny GRPO runs (2 ZeRO-3 processes on CPU) scored by vLLM. The first recipe starts its own vLLM
-judge (reward_servers.engine: vllm, configs/tiny/t2is_vllm.yaml), ends with exit 0 and logs the
-consistency reward. The second scores against the lane's shared vLLM server, which is killed after
-the first epoch: the run stops, naming the endpoint, as it does with the hf engine. That kill ends
-the shared server, so this file runs last."""
+"""Tiny GRPO runs (2 ZeRO-3 processes on CPU) scored by the lane's one vLLM server (started through the
+manager with the vLLM engine, as a recipe's `reward_servers.engine: vllm` starts it; one start-up of
+minutes instead of two). The first run ends with exit 0 and logs the consistency reward; in the
+second, the server is killed after the first epoch: the run stops, naming the endpoint, as it does
+with the hf engine. That kill ends the shared server, so this file runs last."""
 import math
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 from distributed_runs import DEEPSPEED, finish, metrics
@@ -15,6 +18,8 @@ from distributed_runs import DEEPSPEED, finish, metrics
 from paco_ds.serving.manager import free_port
 
 from .conftest import JUDGE, VLLM_PYTHON, VOCAB
+
+pytestmark = pytest.mark.vllm
 
 RECIPE = REPO / "configs" / "tiny" / "t2is_vllm.yaml"
 BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take a second to answer)
@@ -33,24 +38,21 @@ def _launch(tmp_path, *sets, recipe=RECIPE):
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_recipe_with_a_vllm_judge_trains_and_logs_the_consistency_reward(tmp_path, judge_dir):
-    terms = (f"{{consistency_score: {{weight: 1.0, model: {JUDGE}, top_logprobs: {VOCAB}}}, "
+def test_a_run_scored_by_vllm_trains_and_logs_the_consistency_reward(tmp_path, vllm_server):
+    url = vllm_server["url"]
+    terms = (f"{{consistency_score: {{weight: 1.0, model: {JUDGE}, base_url: '{url}', top_logprobs: {VOCAB}}}, "
              "jpeg_compressibility: {weight: 1.0}}")
-    proc = _launch(tmp_path, "train.num_epochs=2", f"rewards.train.terms={terms}",
-                   f"reward_servers.models=[{{name: {JUDGE}, path: {judge_dir}}}]")
-    code = finish(proc, timeout=1500)  # vLLM's start-up (minutes on 2 busy cores) + two tiny epochs
+    proc = _launch(tmp_path, "train.num_epochs=2", f"rewards.train.terms={terms}", "reward_servers=null")
+    code = finish(proc, timeout=900)
     out = (tmp_path / "run.log").read_text()
     assert code == 0, out[-4000:]
-    run_dir = tmp_path / "tiny_t2is_vllm"
-    (log,) = (run_dir / "reward_servers").glob("*/paco-reward-tiny.log")
-    assert "vllm" in log.read_text().lower()  # the judge was vLLM's server, not the hf engine
-    rows = metrics(run_dir)
+    assert "vllm" in Path(vllm_server["log"]).read_text().lower()  # the judge was vLLM's server
+    rows = metrics(tmp_path / "tiny_t2is_vllm")
     assert [r["epoch"] for r in rows] == [0, 1]
     for r in rows:
         mean = r["reward/consistency_score/mean"]
         assert math.isfinite(mean) and 0 < mean < 1, r
         assert r["reward/failures"] == 0 and r["reward/masked"] == 0
-    assert not list((run_dir / "reward_servers").glob("*/servers.json"))  # the run stopped its judge
 
 
 def test_vllm_judge_killed_mid_run_stops_the_run_naming_the_endpoint(tmp_path, vllm_server):

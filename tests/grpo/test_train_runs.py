@@ -1,0 +1,76 @@
+"""The GRPO trainer's longer real runs: the shared tiny run (tests/grpo/test_train.py) resumed exactly from
+its own epoch-2 checkpoint, a rank killed mid-run, and finished runs that always exit 0."""
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from distributed_runs import REPO, cpu_env, launch_cmd, metrics, resume_copy, run_trainer, stable, tail
+
+pytestmark = pytest.mark.runs
+
+FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
+        "checkpoint.keep_last=2")
+NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
+
+
+@pytest.fixture(scope="module")
+def full_run(runs):
+    """The shared run of tests/grpo/test_train.py (the run cache launches it once per session)."""
+    return runs.get("t2is_full", *FAST, script="tests/scripts/train_probe.py").ok().dir
+
+
+def test_exact_resume(full_run, tmp_path):
+    """The run resumed from its epoch-2 checkpoint (in a copy of its directory) through
+    launch/train.py ends with exactly the run's own metrics."""
+    run_dir = tmp_path / "resumed"
+    resumed = resume_copy(full_run, run_dir, "epoch_0002", *FAST)
+    assert resumed.returncode == 0, tail(resumed)
+    assert "resumed from" in resumed.stdout
+    assert stable(metrics(run_dir)) == stable(metrics(full_run))
+
+
+def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "killed"
+    launcher = subprocess.Popen(launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "test.eval_freq=0",
+                                           "checkpoint.save_freq=1", "logging.num_train_images=0", *NO_JUDGE),
+                                cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240  # turns a hang into a failure; the event waited for is the checkpoint
+        latest = run_dir / "checkpoints" / "latest"
+        while not (latest.is_file() and latest.read_text() >= "epoch_0002"):
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not reach epoch 2"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if any(a.startswith("--local_rank=1") for a in p.cmdline())]
+        assert len(ranks) == 1
+        ranks[0].send_signal(signal.SIGKILL)
+        rc = launcher.wait(timeout=60)  # a run that hung on the dead rank would time out here
+        assert rc != 0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    # The last complete checkpoint still loads: export its LoRA (a 2-process run restores it).
+    export = run_trainer(run_dir, *NO_JUDGE, extra=("--export-lora", "latest"))
+    assert export.returncode == 0, tail(export)
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_finished_run_exits_0_every_time(tmp_path):
+    """A finished run once died at exit now and then ("terminate called without an active exception",
+    SIGABRT, 250 from the launcher: a native worker thread destroyed during interpreter teardown). The
+    entry points now end without teardown (paco_ds/errors.py run_entry_point): three short 2-rank runs,
+    three exits 0. (tests/conftest.py also fails any session in which a launch died of SIGABRT.)"""
+    codes = []
+    for i in range(3):
+        proc = run_trainer(tmp_path / f"run{i}", "train.num_epochs=1", "sample.group_size=2", "sample.noise_steps=[1]",
+                           "test.eval_freq=0", "checkpoint.save_freq=0", "logging.num_train_images=0",
+                           "logging.tensorboard=false", *NO_JUDGE)
+        assert "terminate called" not in proc.stderr, tail(proc)
+        codes.append(proc.returncode)
+        assert (tmp_path / f"run{i}" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert codes == [0] * 3
