@@ -343,3 +343,33 @@ def test_resuming_with_another_learning_rate_or_epoch_count_says_what_changed(tm
                                                                f"train.num_epochs={cfg.train.num_epochs + 3}"]), ckpt)
     assert changed == (f"train.learning_rate {cfg.train.learning_rate!r} -> 1e-05, "
                        f"train.num_epochs {cfg.train.num_epochs} -> {cfg.train.num_epochs + 3}")
+
+
+# ------------------------------------------------------------------------------------ reward arguments
+# Each reward's arguments are typed and ranged in its constructor's annotations (paco_ds/rewards/base.py's
+# Count, Fraction, ...): a value of the wrong type or out of range is one line in --dry-run, before any
+# model or judge starts, where it used to fail at the first score or hang while the rewards were built.
+REWARD_ARGS = [
+    ("ocr", "{min_confidence: high}", "ocr.min_confidence': input should be a valid number"),
+    ("imagereward", "{batch_size: 0, tiny: true}", "imagereward.batch_size': input should be greater than or equal to 1"),
+    ("geneval", "{base_url: [1, 2]}", "geneval.base_url': input should be a valid string"),
+    ("vlm_score", "{template: nosuch}", "vlm_score.template': input should be 'qwenvl', 'unifiedreward' or 'deqa'"),
+    ("vlm_score", "{max_concurrency: 0}", "vlm_score.max_concurrency': input should be greater than or equal to 1"),
+    ("consistency_score", "{top_logprobs: 0}", "consistency_score.top_logprobs': input should be greater than or equal"),
+    ("jpeg_compressibility", "{quality: 101}", "jpeg_compressibility.quality': input should be less than or equal to 100"),
+]
+
+
+@pytest.mark.parametrize("name, args, words", REWARD_ARGS, ids=[f"{n}-{a}" for n, a, _ in REWARD_ARGS])
+def test_a_reward_argument_of_the_wrong_type_or_range_is_one_line_in_the_dry_run(name, args, words):
+    line = one_line_error(_dry_run(f"rewards.train.terms={{{name}: {args}}}", "reward_servers=null"))
+    assert f"config key 'rewards.train.terms.{words}" in line, line
+
+
+def test_vlm_scores_template_choices_are_its_templates():
+    import typing
+
+    from paco_ds.rewards.vlm_score import TEMPLATES, VlmScore
+
+    hint = typing.get_type_hints(VlmScore.__init__)["template"]
+    assert set(typing.get_args(hint)) == set(TEMPLATES)

@@ -10,12 +10,26 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import numpy as np
 from PIL import Image
 
 from paco_ds.errors import RewardError
+
+# Types of the rewards' recipe arguments, in their constructors' annotations: the registry checks a
+# recipe's values against them before anything starts (--dry-run too), one line naming the key.
+try:
+    from pydantic import Field
+except ImportError:  # pragma: no cover - pydantic is a requirement; the annotations stay plain then
+    def Field(**_):  # noqa: N802
+        return None
+Count = Annotated[int, Field(ge=1)]  # batch sizes, concurrency, attempts, tokens, threads, cache entries
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Seconds = Annotated[float, Field(gt=0.0)]
+NonNegative = Annotated[float, Field(ge=0.0)]
+JpegQuality = Annotated[int, Field(ge=1, le=100)]
+ImageFormat = Literal["png", "jpeg"]
 
 
 @dataclass

@@ -204,6 +204,9 @@ class ChatClient:
 # A log-probability is <= 0. Servers round (a certain token may come back as 1e-7), so a positive
 # value up to this much is read as 0; anything larger is not a probability and not a score.
 LOGPROB_ROUNDING = 1e-4
+# Probabilities of the top tokens may add up to a little over 1 from the server's rounding of each
+# logprob (float32); more than this is not a distribution.
+MASS_ROUNDING = 1e-3
 
 
 def checked_logprobs(top, where: str) -> list[tuple[str, float]]:
@@ -227,6 +230,10 @@ def checked_logprobs(top, where: str) -> list[tuple[str, float]]:
             raise RewardError(f"{where}: invalid answer: field '{field}[{i}].logprob' is {lp!r} for token "
                               f"{token!r}; a log-probability is <= 0")
         out.append((token, min(float(lp), 0.0)))
+    mass = sum(math.exp(lp) for _, lp in out)
+    if mass > 1.0 + MASS_ROUNDING:
+        raise RewardError(f"{where}: invalid answer: the probabilities in field '{field}' add up to {mass:.4g}, "
+                          "more than 1")
     return out
 
 

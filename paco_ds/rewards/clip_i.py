@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, model_dtype, reference_images
+from paco_ds.rewards.base import Count, LRUCache, Reward, RewardResult, image_digest, model_dtype, reference_images
 
 
 class ClipI(Reward):
     name = "clip_i"
 
     def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
-                 device: str = "cpu", batch_size: int = 32, cache_size: int = 4096):
+                 device: str = "cpu", batch_size: Count = 32, cache_size: Count = 4096):
         import open_clip
 
         if tiny:

@@ -26,14 +26,15 @@ import logging
 import math
 import threading
 from itertools import combinations
-from typing import Hashable
+from typing import Hashable, Literal
 
 import numpy as np
 from PIL import Image
 
 from paco_ds.errors import ConfigError, RewardError
 from paco_ds.images import grid_shape, split_panels, split_prompt
-from paco_ds.rewards.base import LRUCache, PartialRewardError, Reward, RewardResult, image_digest, reference_images
+from paco_ds.rewards.base import (Count, ImageFormat, JpegQuality, LRUCache, NonNegative, PartialRewardError, Reward,
+                                  RewardResult, Seconds, image_digest, reference_images)
 from paco_ds.rewards.client import ChatClient, RetryPolicy, open_judge
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,14 @@ EDIT_FOLLOWING_TEMPLATE = (
 
 
 def yes_probability(top: list[tuple[str, float]], canonicalize: bool = False) -> float:
-    """P(Yes)/(P(Yes)+P(No)) from (token, logprob) pairs; NaN when neither answer is among them."""
+    """P(Yes)/(P(Yes)+P(No)) from (token, logprob) pairs; NaN when neither answer is among them.
+    ValueError when an answer token is listed twice (which entry would be its probability?); other
+    strings may repeat: distinct byte-level tokens can decode to the same text ('\ufffd')."""
+    read = [t for t, _ in top if (t.strip().lower() if canonicalize else t) in (("yes", "no") if canonicalize
+                                                                                 else ("Yes", "No"))]
+    twice = sorted({t for t in read if read.count(t) > 1})
+    if twice:
+        raise ValueError(f"token {twice[0]!r} is listed twice among the first token's top logprobs")
     def logsumexp(values: list[float]) -> float:
         if not values:
             return -math.inf
@@ -89,11 +97,11 @@ class RemoteJudge(Reward):
 
     remote = True
 
-    def __init__(self, model: str = "PaCo-Reward-7B", base_url: str | None = None, image_format: str = "png",
-                 jpeg_quality: int = 75, top_logprobs: int = 20, canonicalize: bool = False,
-                 max_concurrency: int = 64, timeout: float = 60.0, max_attempts: int = 8, retry_budget: float = 120.0,
-                 backoff: float = 0.5, api_key_env: str = "PACO_REWARD_API_KEY", cache_size: int = 65536,
-                 reward_endpoints: dict[str, str] | None = None):
+    def __init__(self, model: str = "PaCo-Reward-7B", base_url: str | None = None, image_format: ImageFormat = "png",
+                 jpeg_quality: JpegQuality = 75, top_logprobs: Count = 20, canonicalize: bool = False,
+                 max_concurrency: Count = 64, timeout: Seconds = 60.0, max_attempts: Count = 8,
+                 retry_budget: NonNegative = 120.0, backoff: NonNegative = 0.5, api_key_env: str = "PACO_REWARD_API_KEY",
+                 cache_size: Count = 65536, reward_endpoints: dict[str, str] | None = None):
         if image_format not in ("png", "jpeg"):
             raise ConfigError(f"{self.name}.image_format: '{image_format}' (use png or jpeg)")
         self.image_format, self.jpeg_quality = image_format, jpeg_quality
@@ -134,7 +142,11 @@ class RemoteJudge(Reward):
             elif isinstance(res, BaseException):
                 raise res
             else:
-                out[key] = yes_probability(res, self.canonicalize)
+                try:
+                    out[key] = yes_probability(res, self.canonicalize)
+                except ValueError as err:  # an answer that makes no sense is a failure, never a score
+                    out[key] = RewardError(f"{self.client.where}: invalid answer: {err}")
+                    continue
                 self.cache.put((self.client.model, key), out[key])
         return out
 
@@ -156,10 +168,11 @@ class ConsistencyScore(RemoteJudge):
     name = "consistency_score"
 
     # The arguments are spelled out (not **kwargs) so that a misspelled recipe key is an error.
-    def __init__(self, model: str = "PaCo-Reward-7B", base_url: str | None = None, prompt_template_version: int = 1,
-                 image_format: str = "png", jpeg_quality: int = 75, top_logprobs: int = 20, canonicalize: bool = False,
-                 max_concurrency: int = 64, timeout: float = 60.0, max_attempts: int = 8, retry_budget: float = 120.0,
-                 backoff: float = 0.5, api_key_env: str = "PACO_REWARD_API_KEY", cache_size: int = 65536,
+    def __init__(self, model: str = "PaCo-Reward-7B", base_url: str | None = None,
+                 prompt_template_version: Literal[0, 1] = 1,
+                 image_format: ImageFormat = "png", jpeg_quality: JpegQuality = 75, top_logprobs: Count = 20, canonicalize: bool = False,
+                 max_concurrency: Count = 64, timeout: Seconds = 60.0, max_attempts: Count = 8, retry_budget: NonNegative = 120.0,
+                 backoff: NonNegative = 0.5, api_key_env: str = "PACO_REWARD_API_KEY", cache_size: Count = 65536,
                  reward_endpoints: dict[str, str] | None = None):
         if prompt_template_version not in (0, 1):
             raise ConfigError(f"consistency_score.prompt_template_version: {prompt_template_version} is not "

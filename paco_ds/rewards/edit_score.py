@@ -29,7 +29,8 @@ import threading
 import numpy as np
 
 from paco_ds.errors import ConfigError, RewardError
-from paco_ds.rewards.base import LRUCache, PartialRewardError, Reward, RewardResult, image_digest, reference_images
+from paco_ds.rewards.base import (Count, Fraction, ImageFormat, JpegQuality, LRUCache, NonNegative,
+                                  PartialRewardError, Reward, RewardResult, Seconds, image_digest, reference_images)
 from paco_ds.rewards.client import ChatClient, RetryPolicy, open_judge
 from paco_ds.rewards.consistency import data_uri
 
@@ -138,11 +139,11 @@ class EditScore(Reward):
     name = "edit_score"
     remote = True
 
-    def __init__(self, model: str = "EditScore-7B", base_url: str | None = None, score_range: int = 25,
-                 temperature: float = 0.7, top_p: float | None = 0.9, max_tokens: int = 512,
-                 image_format: str = "png", jpeg_quality: int = 75, max_concurrency: int = 64, timeout: float = 60.0,
-                 max_attempts: int = 8, retry_budget: float = 120.0, backoff: float = 0.5,
-                 api_key_env: str = "PACO_REWARD_API_KEY", cache_size: int = 65536,
+    def __init__(self, model: str = "EditScore-7B", base_url: str | None = None, score_range: Count = 25,
+                 temperature: NonNegative = 0.7, top_p: Fraction | None = 0.9, max_tokens: Count = 512,
+                 image_format: ImageFormat = "png", jpeg_quality: JpegQuality = 75, max_concurrency: Count = 64, timeout: Seconds = 60.0,
+                 max_attempts: Count = 8, retry_budget: NonNegative = 120.0, backoff: NonNegative = 0.5,
+                 api_key_env: str = "PACO_REWARD_API_KEY", cache_size: Count = 65536,
                  reward_endpoints: dict[str, str] | None = None):
         if image_format not in ("png", "jpeg"):
             raise ConfigError(f"{self.name}.image_format: '{image_format}' (use png or jpeg)")

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from paco_ds.errors import ConfigError, RewardError
-from paco_ds.rewards.base import PartialRewardError, Reward, RewardResult
+from paco_ds.rewards.base import Count, JpegQuality, NonNegative, PartialRewardError, Reward, RewardResult, Seconds
 
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
@@ -73,9 +73,9 @@ class GenEval(Reward):
     name = "geneval"
     remote = True
 
-    def __init__(self, base_url: str = "http://127.0.0.1:18085", batch_size: int = 64, only_strict: bool = True,
-                 jpeg_quality: int = 75, timeout: float = 120.0, retry_budget: float = 600.0, backoff: float = 1.0,
-                 max_backoff: float = 16.0):
+    def __init__(self, base_url: str = "http://127.0.0.1:18085", batch_size: Count = 64, only_strict: bool = True,
+                 jpeg_quality: JpegQuality = 75, timeout: Seconds = 120.0, retry_budget: NonNegative = 600.0, backoff: NonNegative = 1.0,
+                 max_backoff: NonNegative = 16.0):
         """`base_url`: the server (Flow-GRPO's default port). `only_strict`: skip the server's second,
         non-strict evaluation (Flow-GRPO trains with it on). `jpeg_quality`: PIL's default, 75, as
         Flow-GRPO encodes the images."""
@@ -167,5 +167,7 @@ def _floats(answer: dict, key: str, n: int, url: str) -> np.ndarray:
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
             raise RewardError(f"geneval server {url}: malformed answer: '{key}' holds {v!r}, not a finite number")
+        if not 0.0 <= float(v) <= 1.0:  # GenEval's partial credit and its rewards are fractions
+            raise RewardError(f"geneval server {url}: invalid answer: '{key}' holds {v!r}, outside [0, 1]")
         out.append(float(v))
     return np.asarray(out)

@@ -24,7 +24,7 @@ import torch
 
 from paco_ds.errors import ConfigError
 from paco_ds.rewards.aesthetic import AestheticHead, torch_dtype
-from paco_ds.rewards.base import Reward, RewardResult
+from paco_ds.rewards.base import Count, Reward, RewardResult
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward-v1.0's output standardisation
 MAX_TOKENS = 35
@@ -148,7 +148,7 @@ class ImageReward(Reward):
     name = "imagereward"
 
     def __init__(self, model: str = "THUDM/ImageReward", tokenizer: str = "bert-base-uncased", tiny: bool = False,
-                 device: str = "cpu", batch_size: int = 16, dtype: str = "float32"):
+                 device: str = "cpu", batch_size: Count = 16, dtype: str = "float32"):
         """`model`: a hub repository holding ImageReward.pt, or a local checkpoint file."""
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype, self.name)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import io
 
-from paco_ds.rewards.base import Reward, RewardResult
+from paco_ds.rewards.base import JpegQuality, Reward, RewardResult
 
 
 class JpegCompressibility(Reward):
     name = "jpeg_compressibility"
 
-    def __init__(self, quality: int = 95):
+    def __init__(self, quality: JpegQuality = 95):
         self.quality = quality
 
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:

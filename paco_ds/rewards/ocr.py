@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from paco_ds.errors import ConfigError, RewardError
-from paco_ds.rewards.base import PartialRewardError, Reward, RewardResult
+from paco_ds.rewards.base import Count, Fraction, PartialRewardError, Reward, RewardResult
 
 
 def quoted_text(prompt: str) -> str | None:
@@ -57,7 +57,7 @@ def ocr_score(target: str, recognised: str) -> float:
 class OcrReward(Reward):
     name = "ocr"
 
-    def __init__(self, min_confidence: float = 0.0, tiny: bool = False, device: str = "cpu", threads: int = 1):
+    def __init__(self, min_confidence: Fraction = 0.0, tiny: bool = False, device: str = "cpu", threads: Count = 1):
         """`min_confidence`: recognised lines at or below this confidence are dropped (Flow-GRPO keeps
         every line with confidence > 0). `threads`: onnxruntime's intra-op threads (the recogniser runs
         on the CPU beside the trainer). `tiny` changes nothing: the real recogniser ships in its wheel."""

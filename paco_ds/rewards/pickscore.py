@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import Reward, RewardResult, model_dtype
+from paco_ds.rewards.base import Count, Reward, RewardResult, model_dtype
 
 PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 MODEL = "yuvalkirstain/PickScore_v1"
@@ -17,7 +17,7 @@ class PickScore(Reward):
     name = "pickscore"
 
     def __init__(self, model: str = MODEL, processor: str = PROCESSOR, tiny: bool = False, device: str = "cpu",
-                 batch_size: int = 16):
+                 batch_size: Count = 16):
         if tiny:
             from paco_ds.models.tiny.clip import tiny_clip_model
 

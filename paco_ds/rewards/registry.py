@@ -50,7 +50,29 @@ def check_reward_arguments(name: str, kwargs: dict[str, Any], where: str = "rewa
             valid = [p for p in params if p not in ("self",) and p not in context]
             raise ConfigError(f"config key '{where}.{name}.{key}': '{name}' takes no argument '{key}' "
                               f"(it takes: {', '.join(valid) or 'none'})")
+    check_argument_types(cls, kwargs, f"{where}.{name}")
     return cls, params
+
+
+def check_argument_types(cls, kwargs: dict[str, Any], where: str) -> None:
+    """Each value against its constructor parameter's annotation (type, range, choices: the
+    component's own file declares them, e.g. `batch_size: Count`), one line naming the key."""
+    import typing
+
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        hints = typing.get_type_hints(cls.__init__, include_extras=True)
+    except (NameError, TypeError):  # an annotation this interpreter cannot evaluate: names are checked only
+        return
+    for key, value in kwargs.items():
+        if key not in hints:
+            continue
+        try:
+            TypeAdapter(hints[key]).validate_python(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ConfigError(f"config key '{where}.{key}': {first['msg'].lower()} (got {value!r})") from None
 
 
 def build_reward(name: str, kwargs: dict[str, Any], where: str = "rewards", **context: Any):

@@ -8,7 +8,8 @@ host's work, so batch b+1's requests must not queue behind batch b's answers (a 
 batch than the sampler would otherwise set the epoch's pace). A local reward (CLIP on the
 trainer's device) scores one batch at a time: more would only contend for the same device.
 With `on_failure: mask` a reward that raises marks its samples invalid (counted; only the failed
-ones when it raises a PartialRewardError), with `raise` the error stops the run.
+ones when it raises a PartialRewardError), with `raise` the error stops the run, and so does a
+batch of which no sample could be scored.
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ class RewardRunner:
         t0 = time.perf_counter()
         try:
             res = reward(images, prompts, metadata, ref_images)
+            if self.spec.on_failure == "raise" and len(prompts) and not res.valid.any():
+                # every answer invalid (a judge that never answers with a score): training on nothing
+                # would look like training; with `raise` that stops the run, as a failed request does
+                raise RewardError(f"reward '{name}': none of the {len(prompts)} samples of a batch could be scored "
+                                  "(every answer was invalid; on_failure: raise)")
         except Exception as err:  # noqa: BLE001 - the policy decides, and the error is reported either way
             if self.spec.on_failure == "raise":
                 if isinstance(err, RewardError):

@@ -9,14 +9,14 @@ import numpy as np
 import torch
 
 from paco_ds.images import grid_shape, split_panels, split_prompt
-from paco_ds.rewards.base import LRUCache, Reward, RewardResult, image_digest, model_dtype
+from paco_ds.rewards.base import Count, LRUCache, Reward, RewardResult, image_digest, model_dtype
 
 
 class SubfigClipT(Reward):
     name = "subfig_clipT"
 
     def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
-                 device: str = "cpu", batch_size: int = 32, cache_size: int = 4096):
+                 device: str = "cpu", batch_size: Count = 32, cache_size: Count = 4096):
         import open_clip
 
         if tiny:

@@ -27,10 +27,12 @@ import math
 import re
 import threading
 from dataclasses import dataclass
+from typing import Literal
 
 
 from paco_ds.errors import ConfigError, RewardError
-from paco_ds.rewards.base import LRUCache, PartialRewardError, Reward, RewardResult, image_digest
+from paco_ds.rewards.base import (Count, ImageFormat, JpegQuality, LRUCache, NonNegative, PartialRewardError, Reward,
+                                  RewardResult, Seconds, image_digest)
 from paco_ds.rewards.client import ChatClient, RetryPolicy, open_judge
 from paco_ds.rewards.consistency import data_uri
 
@@ -80,24 +82,31 @@ class Template:
     levels: dict[str, float] | None = None  # logprobs mode: word -> level
     max_tokens: int = 2048  # text mode: the answer's length limit (qwenvl.py generates up to 2048)
     resize: int | None = None  # the image is resized to resize x resize before it is sent
+    valid: tuple[float, float] | None = None  # text mode: the scores the question allows (1-5); others are invalid
 
 
 TEMPLATES: dict[str, Template] = {
-    "qwenvl": Template(QWENVL_TASK, "text", r"<Score>(\d+)</Score>", 5.0),
-    "unifiedreward": Template(UNIFIEDREWARD_TASK, "text", r"Final Score:\s*([1-5](?:\.\d+)?)", 5.0, resize=512),
+    "qwenvl": Template(QWENVL_TASK, "text", r"<Score>\s*(\d+(?:\.\d+)?)\s*</Score>", 5.0, valid=(1.0, 5.0)),
+    "unifiedreward": Template(UNIFIEDREWARD_TASK, "text", r"Final Score:\s*(\d+(?:\.\d+)?)", 5.0, resize=512,
+                              valid=(1.0, 5.0)),
     "deqa": Template(DEQA_TASK, "logprobs", None, 5.0, DEQA_LEVELS),
 }
 
 
-def parse_score(answer: str, pattern: str, scale: float) -> float:
-    """The first match of `pattern` in the answer, / scale; NaN when there is none."""
+def parse_score(answer: str, pattern: str, scale: float, valid: tuple[float, float] | None = None) -> float:
+    """The first match of `pattern` in the answer, read as the number it is, / scale; NaN (an invalid
+    answer) when there is none or the number is outside what the question allows (`valid`: a 1-5
+    template's 99 or 0 is not a score to clamp, and 'Final Score: 10' is ten, not one)."""
     match = re.search(pattern, answer or "")
     if not match:
         return math.nan
     try:
-        return float(match.group(1)) / scale
+        value = float(match.group(1))
     except ValueError:
         return math.nan
+    if valid is not None and not valid[0] <= value <= valid[1]:
+        return math.nan
+    return value / scale
 
 
 def expected_level(top: list[tuple[str, float]], levels: dict[str, float], scale: float) -> float:
@@ -105,6 +114,10 @@ def expected_level(top: list[tuple[str, float]], levels: dict[str, float], scale
     (tokens compared stripped and lower-cased; several spellings of one word add up), / scale;
     NaN when no level word is among them."""
     mass = {w: 0.0 for w in levels}
+    tokens = [t for t, _ in top if t.strip().lower() in mass]
+    twice = sorted({t for t in tokens if tokens.count(t) > 1})
+    if twice:  # one spelling listed twice: which entry is its probability? (other strings may repeat)
+        raise ValueError(f"token {twice[0]!r} is listed twice among the first token's top logprobs")
     for token, lp in top:
         word = token.strip().lower()
         if word in mass:
@@ -140,11 +153,11 @@ class VlmScore(Reward):
     name = "vlm_score"
     remote = True
 
-    def __init__(self, template: str = "qwenvl", model: str = "Qwen2.5-VL-7B-Instruct", base_url: str | None = None,
-                 mode: str | None = None, max_tokens: int | None = None, resize: int | None = None,
-                 image_format: str = "png", jpeg_quality: int = 75, top_logprobs: int = 20,
-                 max_concurrency: int = 64, timeout: float = 120.0, max_attempts: int = 8, retry_budget: float = 300.0,
-                 backoff: float = 0.5, api_key_env: str = "PACO_REWARD_API_KEY", cache_size: int = 65536,
+    def __init__(self, template: Literal["qwenvl", "unifiedreward", "deqa"] = "qwenvl", model: str = "Qwen2.5-VL-7B-Instruct", base_url: str | None = None,
+                 mode: Literal["text", "logprobs"] | None = None, max_tokens: Count | None = None, resize: int | None = None,
+                 image_format: ImageFormat = "png", jpeg_quality: JpegQuality = 75, top_logprobs: Count = 20,
+                 max_concurrency: Count = 64, timeout: Seconds = 120.0, max_attempts: Count = 8, retry_budget: NonNegative = 300.0,
+                 backoff: NonNegative = 0.5, api_key_env: str = "PACO_REWARD_API_KEY", cache_size: Count = 65536,
                  reward_endpoints: dict[str, str] | None = None):
         """`template`: qwenvl, unifiedreward or deqa. `mode`, `max_tokens` and `resize` override the
         template's own (`resize: 0` sends the image at its size)."""
@@ -206,8 +219,12 @@ class VlmScore(Reward):
             elif isinstance(res, BaseException):
                 raise res
             else:
-                value = (parse_score(res, self.t.pattern, self.t.scale) if self.mode == "text"
-                         else expected_level(res, self.t.levels, self.t.scale))
+                try:
+                    value = (parse_score(res, self.t.pattern, self.t.scale, self.t.valid) if self.mode == "text"
+                             else expected_level(res, self.t.levels, self.t.scale))
+                except ValueError as err:  # an answer that makes no sense is a failure, never a score
+                    answers[key] = RewardError(f"{self.client.where}: invalid answer: {err}")
+                    continue
                 answers[key] = value
                 if math.isfinite(value):
                     self.cache.put(key, value)  # an unparsed answer is asked again next time
@@ -223,7 +240,8 @@ class VlmScore(Reward):
         result = RewardResult.ok(scores)
         unparsed = int(sum(1 for s, e in zip(scores, errors) if e is None and not math.isfinite(s)))
         if unparsed:
-            what = ("had no score matching " + repr(self.t.pattern) if self.mode == "text"
+            what = ("had no score matching " + repr(self.t.pattern)
+                    + (f" within {self.t.valid[0]:g}-{self.t.valid[1]:g}" if self.t.valid else "") if self.mode == "text"
                     else f"had none of {', '.join(self.t.levels)} among the top {self.top_logprobs} first tokens")
             log.warning("vlm_score (%s): %d of %d answers %s (invalid samples)", self.template, unparsed,
                         len(scores), what)

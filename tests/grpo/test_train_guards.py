@@ -39,9 +39,10 @@ def _train(run_dir, *sets):
 @pytest.fixture(scope="module")
 def faults_run(tmp_path_factory):
     """Two epochs with every fault training survives (tests/scripts/fault_probe.py 'faults'): NaN rewards
-    for the first batch scored, a NaN gradient at the first micro-step, NaN losses at the 2nd and 3rd."""
+    for the first batch scored (masked: on_failure mask; with raise a batch with no valid score stops the
+    run), a NaN gradient at the first micro-step, NaN losses at the 2nd and 3rd."""
     run_dir = tmp_path_factory.mktemp("faults") / "faults"
-    proc = _fault("faults", run_dir, *ONE_EPOCH, "train.num_epochs=2")
+    proc = _fault("faults", run_dir, *ONE_EPOCH, "train.num_epochs=2", "rewards.train.on_failure=mask")
     assert proc.returncode == 0, tail(proc)
     return run_dir, proc, [r for r in metrics(run_dir) if "time/epoch" in r]
 

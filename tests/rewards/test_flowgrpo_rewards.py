@@ -212,11 +212,16 @@ class _GenEvalServer(_Quiet):
     requests: list = []
     fail_next = 0
     evil = False
+    scores = None  # answer these 'scores' instead of the brightness
 
     def do_POST(self):
         data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
         cls.requests.append(data)
+        if cls.scores is not None:
+            n = len(data["images"])
+            return self._send(200, pickle.dumps({"scores": cls.scores[:n], "strict_rewards": [1.0] * n,
+                                                 "rewards": [1.0] * n}))
         if cls.fail_next:
             cls.fail_next -= 1
             return self._send(500, b"Traceback (most recent call last):\nRuntimeError: CUDA out of memory", "text/plain")
@@ -236,7 +241,7 @@ class _GenEvalServer(_Quiet):
 
 @pytest.fixture()
 def geneval_server():
-    _GenEvalServer.requests, _GenEvalServer.fail_next, _GenEvalServer.evil = [], 0, False
+    _GenEvalServer.requests, _GenEvalServer.fail_next, _GenEvalServer.evil, _GenEvalServer.scores = [], 0, False, None
     srv, url = _serve(_GenEvalServer)
     yield url
     srv.shutdown()
@@ -288,6 +293,12 @@ def test_geneval_failures_are_errors_never_zero(geneval_server):
     _GenEvalServer.evil = True
     with pytest.raises(PartialRewardError, match="malformed answer .*refused to build builtins.print"):
         r(ims[:1], ["a"], GENEVAL_META[:1])
+    # GenEval's scores are fractions: 7.5 or -4 is not an answer to score with.
+    for bad in (7.5, -4.0):
+        _GenEvalServer.scores = [0.5, bad]
+        with pytest.raises(PartialRewardError, match=rf"invalid answer: 'scores' holds {bad}, outside \[0, 1\]"):
+            r(ims, ["a", "b"], GENEVAL_META[:2])
+    _GenEvalServer.scores = None
     dead = build_reward("geneval", {"base_url": "http://127.0.0.1:9", "backoff": 0.01, "retry_budget": 0.5})
     with pytest.raises(PartialRewardError, match="connection failed"):
         dead(ims[:1], ["a"], GENEVAL_META[:1])
@@ -370,6 +381,28 @@ def test_vlm_score_qwenvl_and_unifiedreward_parse_the_answer(judge_server):
     u.close()
 
 
+@pytest.mark.parametrize("template, answer, sane", [
+    ("qwenvl", "<Score>99</Score>", "<Score>3</Score>"),  # a 1-5 template: 99 and 0 are not scores
+    ("qwenvl", "<Score>0</Score>", "<Score>3</Score>"),
+    ("unifiedreward", "Final Score: 10", "Final Score: 3"),  # ten, not the "1" of "10"
+    ("unifiedreward", "Final Score: 5.9", "Final Score: 3.0"),
+    ("unifiedreward", "Final Score: 0.5", "Final Score: 3"),
+])
+def test_vlm_score_outside_what_the_template_allows_is_invalid_not_clamped(judge_server, template, answer, sane):
+    from paco_ds.rewards.vlm_score import TEMPLATES, parse_score
+
+    t = TEMPLATES[template]
+    assert math.isnan(parse_score(answer, t.pattern, t.scale, t.valid))
+    assert parse_score(sane, t.pattern, t.scale, t.valid) == pytest.approx(0.6)
+    _JudgeServer.reply = lambda q, images, body: answer
+    r = _vlm(judge_server, template=template)
+    try:
+        res = r(_noise(1, seed=9), ['a "fox"'])
+        assert not res.valid.any() and math.isnan(res.scores[0])
+    finally:
+        r.close()
+
+
 def test_vlm_score_deqa_reads_the_expected_level_from_logprobs(judge_server):
     from paco_ds.rewards.vlm_score import DEQA_TASK
 
@@ -382,13 +415,14 @@ def test_vlm_score_deqa_reads_the_expected_level_from_logprobs(judge_server):
     q, _, body = _JudgeServer.requests[0]
     assert q == DEQA_TASK and body["logprobs"] is True and body["top_logprobs"] == 5
     assert body["max_completion_tokens"] == 1
-    _JudgeServer.reply = lambda q, images, body: [("the", -0.1), ("a", -2.0)]
+    _JudgeServer.reply = lambda q, images, body: [("the", -0.2), ("a", -2.0)]  # a distribution (0.95)
     assert not r(_noise(1, seed=6), ["x"]).valid.any()  # no level word: invalid, not 0
     r.close()
 
 
 def test_vlm_score_bad_config_and_dead_server_name_the_problem(judge_server):
-    with pytest.raises(ConfigError, match="vlm_score.template: 'qwen' is not a known template"):
+    with pytest.raises(ConfigError, match=r"config key 'rewards.vlm_score.template': input should be 'qwenvl', "
+                                          r"'unifiedreward' or 'deqa' \(got 'qwen'\)"):
         _vlm(judge_server, template="qwen")
     with pytest.raises(ConfigError, match="template 'deqa' has no answer pattern"):
         _vlm(judge_server, template="deqa", mode="text")

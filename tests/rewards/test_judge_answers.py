@@ -122,6 +122,12 @@ BAD_ANSWERS = {
     "token_null": (_answer([{"token": None, "logprob": -0.5}]),
                    r"field 'choices\[0\].logprobs.content\[0\].top_logprobs\[0\].token' is null"),
     "no_logprobs": (_answer(drop="logprobs"), "the response has no logprobs for the first token"),
+    "yes_and_no_both_certain": (_answer([{"token": "Yes", "logprob": 0.0}, {"token": "No", "logprob": 0.0}]),
+                                r"invalid answer: the probabilities in field 'choices\[0\].logprobs.content\[0\]"
+                                r".top_logprobs' add up to 2, more than 1"),
+    "yes_listed_twice": (_answer([{"token": "Yes", "logprob": -0.1}, {"token": "No", "logprob": -3.0},
+                                  {"token": "Yes", "logprob": -5.0}]),
+                         r"invalid answer: token 'Yes' is listed twice among the first token's top logprobs"),
     "another_model": (_answer(model="gpt-4o-mini"),
                       r"reward server {url}: asked model 'paco-reward-tiny' but the answer is from model "
                       r"'gpt-4o-mini'; refused"),
@@ -205,3 +211,19 @@ def test_a_reward_thread_never_waits_forever_on_a_closed_client(judge):
     client._loop.close()
     with pytest.raises(concurrent.futures.CancelledError, match=f"reward server {judge.url}.*the client is closed"):
         client.run([asyncio.sleep(0)])  # after close: at once
+
+
+def test_with_raise_a_batch_that_nothing_could_score_stops_the_run(judge):
+    """A judge that never answers Yes or No (every sample invalid): with `mask` the samples are masked and
+    counted as invalid; with the default `raise` the run stops instead of training on nothing."""
+    judge.answer = _answer([{"token": "Maybe", "logprob": -0.1}, {"token": "Perhaps", "logprob": -2.5}])
+    runners = {p: RewardRunner(RewardSet(terms=_terms(judge), on_failure=p)) for p in ("mask", "raise")}
+    try:
+        res = runners["mask"].score(_grids(2), [ITEM["prompt"]] * 2, [ITEM] * 2)["consistency_score"]
+        assert not res.valid.any() and runners["mask"].failures == 0  # invalid answers, not failed requests
+        with pytest.raises(RewardError, match=r"reward 'consistency_score': none of the 2 samples of a batch could "
+                                              r"be scored \(every answer was invalid; on_failure: raise\)"):
+            runners["raise"].score(_grids(2, seed=3), [ITEM["prompt"]] * 2, [ITEM] * 2)
+    finally:
+        for r in runners.values():
+            r.close()
