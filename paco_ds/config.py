@@ -28,13 +28,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+RUN_NAME_MAX_BYTES = 200
+
+
 def check_run_name(v: str) -> str:
     """A run name is one path component: the run directory is <output_dir>/<run_name>, so '/',
     '..' or an empty name would put the run outside output_dir or make output_dir itself the run."""
     if not v or not v.strip() or v in (".", "..") or any(c in v for c in "/\\\0"):
         raise ValueError(f"a run name is one non-empty path component without '/', '\\' or NUL, "
                          f"and not '.' or '..' (got {v!r})")
+    # the run directory's entries add to it (e.g. '<run>.lock', 'checkpoints/epoch_0000_step_000000.tmp-...'),
+    # and a file system's names are at most 255 bytes
+    if len(v.encode("utf-8", "surrogatepass")) > RUN_NAME_MAX_BYTES:
+        raise ValueError(f"a run name is at most {RUN_NAME_MAX_BYTES} bytes (got {len(v.encode('utf-8', 'surrogatepass'))})")
     return v
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,10 +153,10 @@ class TrainConfig(Section):
     num_epochs: int = Field(1000, ge=1)
     batch_size: int = Field(1, ge=1)
     learning_rate: float = Field(3e-4, gt=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    weight_decay: float = 1e-4
-    adam_epsilon: float = 1e-8
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    weight_decay: float = Field(1e-4, ge=0)
+    adam_epsilon: float = Field(1e-8, gt=0)
     max_grad_norm: float = Field(1.0, ge=0)  # DeepSpeed gradient_clipping (0 disables)
     optimizer_steps_per_epoch: int = Field(2, ge=1)
     num_inner_epochs: int = Field(1, ge=1)
@@ -298,10 +306,33 @@ class AdvantageConfig(Section):
     drop_zero_std_groups: bool = False
 
 
+# DeepSpeed keys paco_ds fills from the recipe (paco_ds/engine.py build_ds_config): an override would be
+# silently replaced, so it is refused naming the recipe key that sets it.
+DS_KEYS_FROM_RECIPE = {"train_micro_batch_size_per_gpu": "train: batch_size",
+                       "gradient_accumulation_steps": "train: optimizer_steps_per_epoch",
+                       "train_batch_size": "train: batch_size", "gradient_clipping": "train: max_grad_norm",
+                       "bf16": "model: dtype", "fp16": "model: dtype"}
+
+
 class DeepSpeedSection(Section):
     config: str = "configs/deepspeed/zero3.json"  # engine config (relative to the repo or the recipe)
     zero_stage: int | None = Field(None, ge=0, le=3)  # overrides the file when set
     overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_meaning(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(v) & set(DS_KEYS_FROM_RECIPE))
+        if taken:
+            raise ValueError(f"'{taken[0]}' is what paco_ds sets from the recipe ({DS_KEYS_FROM_RECIPE[taken[0]]}); "
+                             "remove the override")
+        zero = v.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError(f"zero_optimization must be a mapping (got {zero!r})")
+        stage = zero.get("stage")
+        if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3 (got {stage!r}; or set deepspeed.zero_stage)")
+        return v
 
 
 class RolloutDeepSpeedSection(DeepSpeedSection):
@@ -362,7 +393,7 @@ class Config(Recipe):
     @classmethod
     def _one_component(cls, v: str) -> str:
         return check_run_name(v)
-    seed: int = 42
+    seed: int = Field(42, ge=0, lt=2 ** 32)  # numpy's seeds are 32-bit, non-negative
     output_dir: str = "runs"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
@@ -386,6 +417,9 @@ class Config(Recipe):
                             for name, t in rs.terms.items()}, self.reward_servers)
         if self.train.loss_section is not None:
             self.train.loss_section.check(self)
+        if not self.train_timesteps and self.sample.sde_window is None:
+            # an epoch of zero micro-steps: DeepSpeed would stop at its own assertion (train batch size 0)
+            raise ValueError("sample.noise_steps is empty and train.timesteps unset: no step would be trained")
         steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above
         late = [j for j in self.sample.noise_steps if j >= self.sample.num_steps]
         if late and self.sample.sde_window is None:

@@ -73,16 +73,24 @@ def _checked_root(text: str, file: str):
     aliases expand past MAX_EXPANDED_NODES. Errors are one line naming file:line."""
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     sizes: dict[int, int] = {}  # expanded size per node, memoised: shared (aliased) nodes are counted once each
+    open_nodes: set[int] = set()  # the mappings and lists being walked: the path from the root
 
     def size(node) -> int:
+        if id(node) in open_nodes:  # safe_load would build a structure that contains itself
+            raise ConfigError(f"{file}:{node.start_mark.line + 1}: an alias (*anchor) refers to a mapping or list "
+                              "that contains it (the one anchored here); a recipe is a tree, so refer to a value "
+                              "outside it")
         if id(node) in sizes:
             return sizes[id(node)]
-        sizes[id(node)] = 1  # a recursive alias counts once rather than looping
         n = 1
+        open_nodes.add(id(node))
         if isinstance(node, yaml.MappingNode):
             seen: dict[tuple, int] = {}
             for knode, vnode in node.value:
-                if isinstance(knode, yaml.ScalarNode) and knode.tag != "tag:yaml.org,2002:merge":
+                if not isinstance(knode, yaml.ScalarNode):  # `? [train, seed]`: a list or mapping as a key
+                    raise ConfigError(f"{file}:{knode.start_mark.line + 1}: a key must be a name, not a "
+                                      f"{'list' if isinstance(knode, yaml.SequenceNode) else 'mapping'}")
+                if knode.tag != "tag:yaml.org,2002:merge":
                     key = (knode.tag, knode.value)
                     if key in seen:
                         raise ConfigError(f"{file}:{knode.start_mark.line + 1}: key '{knode.value}' is repeated in "
@@ -91,6 +99,7 @@ def _checked_root(text: str, file: str):
                 n += size(knode) + size(vnode)
         elif isinstance(node, yaml.SequenceNode):
             n += sum(size(v) for v in node.value)
+        open_nodes.discard(id(node))
         if n > MAX_EXPANDED_NODES:
             raise ConfigError(f"{file}:{node.start_mark.line + 1}: the document expands past "
                               f"{MAX_EXPANDED_NODES:,} values through its aliases (&anchor / *alias); refused")

@@ -373,3 +373,49 @@ def test_vlm_scores_template_choices_are_its_templates():
 
     hint = typing.get_type_hints(VlmScore.__init__)["template"]
     assert set(typing.get_args(hint)) == set(TEMPLATES)
+
+
+# ------------------------------------------------------------------------------------ values that used to crash later
+@pytest.mark.parametrize("sets, words", [
+    (["sample.noise_steps=[]"], "sample.noise_steps is empty and train.timesteps unset: no step would be trained"),
+    (["seed=-1"], "config key 'seed': input should be greater than or equal to 0"),
+    (["train.adam_beta1=1.5"], "config key 'train.adam_beta1': input should be less than 1"),
+    (["deepspeed.overrides={zero_optimization: {stage: 7}}"], "zero_optimization.stage must be 0, 1, 2 or 3"),
+    (["deepspeed.overrides={train_batch_size: 64}"], "'train_batch_size' is what paco_ds sets from the recipe"),
+    (["run_name=" + "r" * 300], "config key 'run_name': a run name is at most 200 bytes (got 300)"),
+], ids=["no-noise-steps", "negative-seed", "beta1", "zero-stage-7", "ds-batch-size", "long-run-name"])
+def test_a_value_that_used_to_fail_after_start_up_is_one_line_in_the_dry_run(sets, words):
+    line = one_line_error(_dry_run(*sets))
+    assert words in line.lower() if words[0].islower() else words in line, line
+
+
+def test_a_record_of_an_enormous_image_is_one_line_naming_file_and_line(tmp_path):
+    path = _jsonl(tmp_path, GOOD, '{"prompt": "a 2x2 grid of a cat", "height": 1048576, "width": 1048576}')
+    with pytest.raises(DataError, match=r"p.jsonl:2: 'height' is 1048576, more than 16384 px"):
+        load_prompts(path, "t2is")
+
+
+@pytest.mark.parametrize("reward, record, words", [
+    ("geneval", '{"prompt": "a photo of a cat"}', "reward 'geneval' cannot score this record: metadata 'tag' is None"),
+    ("geneval", '{"prompt": "a photo of a cat", "tag": "single_object"}',
+     "reward 'geneval' cannot score this record: metadata has no 'include' list"),
+    ("ocr", '{"prompt": "a shop sign in the rain"}', "reward 'ocr' cannot score this record: the prompt has no "
+                                                     "double-quoted text"),
+])
+def test_a_record_the_reward_cannot_score_is_one_line_at_load(tmp_path, reward, record, words):
+    path = _jsonl(tmp_path, record, name="train.jsonl")
+    line = one_line_error(_dry_run(f"data.train_file={path}", f"data.test_file={path}", "sample.prompts_per_epoch=1",
+                                   "reward_servers=null", f"rewards.train.terms={{{reward}: {{weight: 1.0}}}}",
+                                   "rewards.test=null"))
+    assert f"{path}:1: {words}" in line, line
+
+
+@pytest.mark.parametrize("text, words", [
+    ("a: &x\n  b: *x\n", ":1: an alias (*anchor) refers to a mapping or list that contains it"),
+    ("? [train, seed]\n: 3\n", ":1: a key must be a name, not a list"),
+])
+def test_yaml_that_cannot_be_a_recipe_is_one_line(tmp_path, text, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    line = one_line_error(_dry_run(config=recipe))
+    assert f"{recipe}{words}" in line, line

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from paco_ds.data.records import check_text, positive_int as _positive_int, read_jsonl
+from paco_ds.data.records import MAX_IMAGE_SIDE, check_text, positive_int as _positive_int, read_jsonl
 from paco_ds.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ def _jsonl_records(path: Path) -> list[dict]:
         image = _resolve(_image_field(rec, where), roots, where)
         out.append({"prompt": prompt, "metadata": rec, "where": where, "image": str(image),
                     "image_digest": image_md5(image.read_bytes()),
-                    "height": _positive_int(rec.get("height"), "height", where),
-                    "width": _positive_int(rec.get("width"), "width", where)})
+                    "height": _positive_int(rec.get("height"), "height", where, MAX_IMAGE_SIDE),
+                    "width": _positive_int(rec.get("width"), "width", where, MAX_IMAGE_SIDE)})
     return out
 
 
@@ -160,8 +160,8 @@ def _table_records(path: Path) -> list[dict]:
         out.append({"prompt": prompt, "metadata": meta, "where": where,
                     "image": data if data is not None else str(image),
                     "image_digest": image_md5(data if data is not None else image.read_bytes()),
-                    "height": _positive_int(row.get("height"), "height", where),
-                    "width": _positive_int(row.get("width"), "width", where)})
+                    "height": _positive_int(row.get("height"), "height", where, MAX_IMAGE_SIDE),
+                    "width": _positive_int(row.get("width"), "width", where, MAX_IMAGE_SIDE)})
     return out
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from paco_ds.errors import DataError
-from paco_ds.data.records import check_text, positive_int as _positive_int, read_jsonl
+from paco_ds.data.records import MAX_IMAGE_SIDE, check_text, positive_int as _positive_int, read_jsonl
 from paco_ds.recipe import read_text_utf8
 
 @dataclass
@@ -80,8 +80,8 @@ def load_t2is_jsonl(path: str | Path) -> list[PromptItem]:
         if crit is not None and not isinstance(crit, dict):
             raise DataError(f"{where}: 'criteria' must be an object of dimensions")
         items.append(PromptItem(prompt=prompt, metadata=rec,
-                                height=_positive_int(rec.get("height"), "height", where),
-                                width=_positive_int(rec.get("width"), "width", where), where=where))
+                                height=_positive_int(rec.get("height"), "height", where, MAX_IMAGE_SIDE),
+                                width=_positive_int(rec.get("width"), "width", where, MAX_IMAGE_SIDE), where=where))
     if not items:
         raise DataError(f"{path}: no prompts")
     return items

@@ -50,12 +50,19 @@ def check_text(value: Any, key: str, where: str) -> None:
             check_text(v, f"{key}[{i}]", where)
 
 
-def positive_int(value: Any, key: str, where: str) -> int | None:
-    """An optional positive integer field of a record (None stays None)."""
+# The largest image side a record may ask for (height, width): the models train at 512-2048 px; a typo's
+# 1048576 x 1048576 would be a 256 GiB allocation at the first rollout instead of a line at load.
+MAX_IMAGE_SIDE = 16384
+
+
+def positive_int(value: Any, key: str, where: str, maximum: int | None = None) -> int | None:
+    """An optional positive integer field of a record (None stays None), at most `maximum`."""
     if value is None:
         return None
     if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN / Infinity: int() would raise
         raise DataError(f"{where}: '{key}' must be a positive integer (got {value!r})")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
         raise DataError(f"{where}: '{key}' must be a positive integer (got {value!r})")
+    if maximum is not None and value > maximum:
+        raise DataError(f"{where}: '{key}' is {int(value)}, more than {maximum} px")
     return int(value)

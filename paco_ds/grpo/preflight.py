@@ -52,6 +52,22 @@ def check_reward_arguments(cfg: Config) -> None:
             check(name, term.kwargs, where)
 
 
+def check_records_for_rewards(cfg: Config, train_items: list, test_items: list | None) -> None:
+    """Every record of the data can be scored by the rewards that will score it (a reward's own
+    `check_record`: GenEval's tag and include, a quoted text for OCR): one line naming file:line."""
+    from paco_ds.rewards.registry import reward_class
+
+    test_set = cfg.rewards.eval  # the test reward set, or the train set where none is given
+    for items, rset, key in ((train_items, cfg.rewards.train, "data.train_file"),
+                             (test_items or [], test_set, "data.test_file")):
+        for name in rset.terms:
+            cls = reward_class(name)
+            for it in items:
+                why = cls.check_record(it.prompt, it.metadata)
+                if why:
+                    raise DataError(f"{it.where or key}: reward '{name}' cannot score this record: {why}")
+
+
 def check_loss(cfg: Config) -> None:
     from paco_ds.grpo.losses import loss_class
 
@@ -90,6 +106,7 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     if test_items:
         check_sizes(cfg, test_items, "data.test_file")
     check_reward_arguments(cfg)
+    check_records_for_rewards(cfg, train_items, test_items)
     check_loss(cfg)
     check_deepspeed_config(cfg)
     check_writable(cfg.run_dir, "output_dir")

@@ -83,6 +83,13 @@ class Reward:
     name: str = "reward"
     remote: bool = False
 
+    @classmethod
+    def check_record(cls, prompt: str, metadata: dict) -> str | None:
+        """Why this reward could never score a record of the data (checked for every record when the
+        run starts, and by --dry-run), or None: a data file the reward cannot read is one line at
+        load, not every sample masked (or a stopped run) at the first score."""
+        return None
+
     def score(self, images: list[Image.Image], prompts: list[str], metadata: list[dict],
               ref_images: list[Image.Image] | None = None) -> RewardResult:
         raise NotImplementedError

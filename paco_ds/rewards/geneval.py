@@ -73,6 +73,10 @@ class GenEval(Reward):
     name = "geneval"
     remote = True
 
+    @classmethod
+    def check_record(cls, prompt: str, metadata: dict) -> str | None:
+        return check_metadata(metadata)
+
     def __init__(self, base_url: str = "http://127.0.0.1:18085", batch_size: Count = 64, only_strict: bool = True,
                  jpeg_quality: JpegQuality = 75, timeout: Seconds = 120.0, retry_budget: NonNegative = 600.0, backoff: NonNegative = 1.0,
                  max_backoff: NonNegative = 16.0):

@@ -57,6 +57,13 @@ def ocr_score(target: str, recognised: str) -> float:
 class OcrReward(Reward):
     name = "ocr"
 
+    @classmethod
+    def check_record(cls, prompt: str, metadata: dict) -> str | None:
+        target = quoted_text(prompt)
+        if target is None:
+            return "the prompt has no double-quoted text for the OCR reward to read"
+        return None if target.strip() else "the prompt's quoted text is empty"
+
     def __init__(self, min_confidence: Fraction = 0.0, tiny: bool = False, device: str = "cpu", threads: Count = 1):
         """`min_confidence`: recognised lines at or below this confidence are dropped (Flow-GRPO keeps
         every line with confidence > 0). `threads`: onnxruntime's intra-op threads (the recogniser runs

@@ -3,7 +3,7 @@
 (sample.share_prefix), against the plain sampler on the tiny FLUX policy."""
 import pytest
 import torch
-from conftest import REPO, TINY
+from conftest import REPO, TINY, run_cli
 
 from paco_ds.data import PromptItem
 from paco_ds.grpo.losses import RolloutNeeds
@@ -169,7 +169,18 @@ def test_the_dry_run_says_how_a_rollout_walks_its_steps():
 @pytest.mark.parametrize("key, value, says", [("sample.ode_steps", "0", "greater than or equal to 1"),
                                               ("sample.ode_solver", "heun", "'euler' or 'ab2'")])
 def test_a_bad_switch_is_one_line_naming_the_key(key, value, says):
-    from conftest import one_line_error, run_cli
+    from conftest import one_line_error
 
     line = one_line_error(run_cli("launch/train.py", "--config", str(TINY), "--dry-run", "--set", f"{key}={value}"))
     assert key in line and says in line
+
+
+def test_the_dry_run_says_share_prefix_is_off_where_the_trainer_turns_it_off():
+    args = ["launch/train.py", "--config", str(TINY), "--dry-run", "--set", "sample.share_prefix=true",
+            "--set", "sample.noise_steps=[2]"]
+    shared = run_cli(*args)
+    per_step = run_cli(*args, "--set", "deepspeed.rollout_gather=per_step")
+    assert shared.returncode == per_step.returncode == 0, shared.stderr + per_step.stderr
+    assert "before its first SDE step once per rank (sample.share_prefix)" in shared.stdout
+    assert "sample.share_prefix is off under deepspeed.rollout_gather: per_step (ZeRO-3)" in per_step.stdout
+    assert "once per rank" not in per_step.stdout
