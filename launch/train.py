@@ -14,6 +14,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     add_recipe_arguments(p)
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint directory")
+    p.add_argument("--allow-changed", action="append", default=[], metavar="KEY",
+                   help="with --resume: resume although KEY (e.g. train.loss) differs from the checkpoint's recipe "
+                        "(repeatable); other changed settings are printed")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and data, print the epoch plan, exit")
     p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for this many processes")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
@@ -49,12 +52,17 @@ def main(argv=None):
             if args.resume:  # the checkpoint a run would resume, verified as the run will
                 from paco_ds.checkpoint import CheckpointManager
 
+                from paco_ds.grpo.preflight import check_resume
+
                 path = CheckpointManager(cfg.run_dir / "checkpoints", 1, 0, world).resolve(args.resume)
-                print(f"resume from: {path}")
+                changed = check_resume(cfg, path, tuple(args.allow_changed))
+                print(f"resume from: {path}" + (f" (changed settings: {changed})" if changed else ""))
             return
         from paco_ds.grpo.trainer import run
 
-        run(cfg, resume=args.resume, export_only=args.export_lora)
+        if args.allow_changed and not args.resume:
+            raise UserError("--allow-changed goes with --resume")
+        run(cfg, resume=args.resume, export_only=args.export_lora, allow_changed=tuple(args.allow_changed))
 
 
 if __name__ == "__main__":

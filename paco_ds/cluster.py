@@ -36,6 +36,7 @@ import httpx
 
 from paco_ds.config import ClusterConfig, JudgePlacement
 from paco_ds.errors import ConfigError, UserError
+from paco_ds.stopping import PREEMPTED_EXIT, preempted_since
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENDPOINTS_ENV = "PACO_REWARD_ENDPOINTS"
@@ -633,10 +634,14 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
     failure: str | None = None
     t0 = time.monotonic()
     guard = c.start_guard()
+    started = time.time()
+    preempted = None
     try:
         c.start_judges()
         code = c.run_trainers(argv, env)
-        if code != 0:
+        # The ranks saved after a stop: 75, whatever status the DeepSpeed launcher passed on (143 after SIGTERM)
+        preempted = preempted_since(cfg.run_dir, started)
+        if code != 0 and preempted is None:
             failure = c.trainer_failure or f"the trainers exited with code {code}"
     except KeyboardInterrupt:
         failure = "interrupted (Ctrl-C or SIGTERM)"
@@ -649,6 +654,10 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
             guard.wait(10)  # it sees close() done and exits
     for pr in problems:
         log(f"[cluster] cleanup: {pr}")
+    if preempted is not None and failure is None:
+        log(f"[cluster] preempted ({preempted.get('reason')}) after saving {preempted.get('checkpoint')}; "
+            f"stopped everything on {', '.join(hosts)}; continue with --resume latest")
+        return PREEMPTED_EXIT
     if failure:
         log(f"[cluster] failed after {time.monotonic() - t0:.1f}s: {failure}; stopped everything on "
             f"{', '.join(hosts)}")

@@ -46,6 +46,37 @@ class Preempted(UserError):
     exit_code = PREEMPTED_EXIT
 
 
+# <run dir>/PREEMPTED: written (rank 0) once every rank has saved after a stop request, removed when a
+# run of that directory starts training again. A launcher or a scheduler script decides on requeueing
+# from it, not from the status the DeepSpeed launcher returns (143 after a SIGTERM, whatever the ranks did).
+PREEMPTED_MARKER = "PREEMPTED"
+
+
+def mark_preempted(run_dir: Path, checkpoint: Path, reason: str) -> None:
+    import json
+    import os
+
+    marker = Path(run_dir) / PREEMPTED_MARKER
+    tmp = marker.with_name(f".{PREEMPTED_MARKER}.tmp")
+    tmp.write_text(json.dumps({"checkpoint": str(checkpoint), "reason": reason, "time": time.time()}) + "\n")
+    os.replace(tmp, marker)
+
+
+def clear_preempted(run_dir: Path) -> None:
+    (Path(run_dir) / PREEMPTED_MARKER).unlink(missing_ok=True)
+
+
+def preempted_since(run_dir: Path, since: float) -> dict | None:
+    """The marker's record when a preemption checkpoint was saved at or after `since` (time.time()), else None."""
+    import json
+
+    try:
+        record = json.loads((Path(run_dir) / PREEMPTED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("time", 0) >= since else None
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

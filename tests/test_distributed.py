@@ -101,3 +101,18 @@ def test_a_rank_whose_peer_failed_says_so_in_one_line_and_the_run_exits_with_the
     lost = [l for l in err.splitlines() if "probe: error: rank 1: another rank of this run ended" in l]
     assert len(lost) == 1 and "gloo: Connection" in lost[0], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_the_preemption_marker_tells_a_launcher_the_ranks_saved(tmp_path):
+    import time
+
+    from paco_ds.stopping import clear_preempted, mark_preempted, preempted_since
+
+    assert preempted_since(tmp_path, 0.0) is None
+    start = time.time()
+    mark_preempted(tmp_path, tmp_path / "checkpoints" / "epoch_0001", "SIGTERM")
+    record = preempted_since(tmp_path, start)
+    assert record["checkpoint"].endswith("epoch_0001") and record["reason"] == "SIGTERM"
+    assert preempted_since(tmp_path, time.time() + 60) is None  # a marker older than this launch is not its status
+    clear_preempted(tmp_path)
+    assert preempted_since(tmp_path, 0.0) is None and not (tmp_path / "PREEMPTED").exists()

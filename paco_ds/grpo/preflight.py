@@ -68,6 +68,40 @@ def check_records_for_rewards(cfg: Config, train_items: list, test_items: list |
                     raise DataError(f"{it.where or key}: reward '{name}' cannot score this record: {why}")
 
 
+# Recorded in each checkpoint (meta.json 'recipe') and compared on resume (paco_ds/resume_settings.py).
+# A change of these makes the resumed run another run (tensors of another shape, another loss's state,
+# another model or reward): refused unless --allow-changed names it.
+RESUME_MUST_MATCH = ("model.family", "model.path", "model.tiny", "model.lora.rank", "model.lora.alpha",
+                     "model.lora.target_modules", "train.loss", "rewards.train.terms")
+# Allowed, and printed once when they changed.
+RESUME_NOTED = ("train.num_epochs", "train.learning_rate", "train.max_grad_norm", "train.kl_beta", "seed",
+                "sample.num_steps", "sample.group_size", "sample.prompts_per_epoch", "test.eval_freq",
+                "checkpoint.save_freq", "rewards.train.weights")
+
+
+def resume_settings(cfg: Config) -> dict:
+    """The recipe values a GRPO checkpoint records: RESUME_MUST_MATCH and RESUME_NOTED, the rewards
+    as their identity (each name with its arguments) apart from their weights."""
+    from paco_ds.resume_settings import recorded
+
+    out = recorded(cfg.model_dump(mode="json"), [k for k in RESUME_MUST_MATCH + RESUME_NOTED
+                                                 if not k.startswith("rewards.")])
+    out["rewards.train.terms"] = {name: dict(sorted(t.kwargs.items())) for name, t in cfg.rewards.train.terms.items()}
+    out["rewards.train.weights"] = {name: t.weight for name, t in cfg.rewards.train.terms.items()}
+    return out
+
+
+def check_resume(cfg: Config, path: Path, allowed: tuple[str, ...] = ()) -> str:
+    """Before anything loads: one line naming a key that must not change (exit 2), else the changed
+    settings a resume will use ('' if none). A checkpoint that records no recipe is not compared."""
+    from paco_ds.resume_settings import compare, saved_recipe
+
+    saved = saved_recipe(path)
+    if not saved:
+        return ""
+    return compare(saved, resume_settings(cfg), RESUME_MUST_MATCH, path, allowed, allow_flag=True)
+
+
 def check_loss(cfg: Config) -> None:
     from paco_ds.grpo.losses import loss_class
 

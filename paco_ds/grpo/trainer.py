@@ -176,6 +176,7 @@ class GRPOTrainer:
             self.logger.truncate_after(self.epoch)
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(recipe_to_yaml(cfg))
+            stopping.clear_preempted(self.run_dir)  # training again: an earlier preemption is not this run's status
             log.info("run directory: %s", self.run_dir)
         while self.epoch < cfg.train.num_epochs:
             partial, self._partial = self._partial, None
@@ -463,6 +464,8 @@ class GRPOTrainer:
             tag = f"epoch_{self.epoch:04d}_step_{progress['done']:06d}"
             path = self.ckpt.save(self.engine, tag, {**self.state(), "partial": partial},
                                   {**self._meta(), "micro_steps_done": progress["done"]})
+        if self.dist.is_main:
+            stopping.mark_preempted(self.run_dir, path, control.reason)
         raise stopping.Preempted(f"stopped ({control.reason}) after saving checkpoint {path}; continue with "
                                  "--resume latest")
 
@@ -518,7 +521,10 @@ class GRPOTrainer:
                 "loss": self.loss.state_dict()}
 
     def _meta(self) -> dict:
-        return {"epoch": self.epoch, "global_step": self.global_step, "run_name": self.cfg.run_name}
+        from paco_ds.grpo.preflight import resume_settings
+
+        return {"epoch": self.epoch, "global_step": self.global_step, "run_name": self.cfg.run_name,
+                "recipe": resume_settings(self.cfg)}
 
     def save(self) -> Path:
         path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), self._meta())
@@ -582,7 +588,8 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path | None = None) -> None:
+def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path | None = None,
+        allow_changed: tuple[str, ...] = ()) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if export_only:  # one process, from the checkpoint files: no model, no process group, no judge
         _export_only(cfg, export_only)
@@ -599,7 +606,12 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     check_recipe(cfg, dist.world_size)
     ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
     if resume:
+        from paco_ds.grpo.preflight import check_resume
+
         resume = ckpt.resolve(resume, "--resume")
+        changed = check_resume(cfg, resume, allow_changed)  # before a model, a judge or the engine exists
+        if changed and dist.is_main:
+            print(f"resuming {resume} with changed settings: {changed}", flush=True)
     # The recipe's reward servers: started by local rank 0 of each node, awaited by every rank
     # before the rewards are built, stopped when the run ends.
     colocate = cfg.cluster is not None and cfg.cluster.colocate  # the judges must be able to sleep

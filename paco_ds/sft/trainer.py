@@ -335,14 +335,9 @@ _TRAJECTORY_KEYS = ("lora.alpha", "lora.dropout", "train.learning_rate", "train.
 
 def resume_settings(cfg: SFTConfig) -> dict:
     """The recipe values a checkpoint records so that a resume can be compared with them."""
-    data = cfg.model_dump(mode="json")
-    out = {}
-    for key in _SHAPE_KEYS + _TRAJECTORY_KEYS:
-        node = data
-        for part in key.split("."):
-            node = node[part]
-        out[key] = node
-    return out
+    from paco_ds.resume_settings import recorded
+
+    return recorded(cfg.model_dump(mode="json"), _SHAPE_KEYS + _TRAJECTORY_KEYS)
 
 
 def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
@@ -350,24 +345,16 @@ def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
     recipe's; return the other recorded settings that differ ('key: old -> new, ...', or '')."""
     import json
 
-    from paco_ds.errors import ConfigError
+    from paco_ds.resume_settings import compare, saved_recipe
 
-    try:
-        saved = json.loads((Path(path) / "meta.json").read_text()).get("recipe") or {}
-    except (OSError, ValueError):
-        saved = {}
+    saved = saved_recipe(path)
     if not saved:  # a checkpoint written before the recipe was recorded: its adapter config has the rank
         try:
             adapter = json.loads((Path(path) / "adapter" / "adapter_config.json").read_text())
             saved = {"lora.rank": adapter["r"]}
         except (OSError, ValueError, KeyError):
             return ""
-    now = resume_settings(cfg)
-    for key in _SHAPE_KEYS:
-        if key in saved and saved[key] != now[key]:
-            raise ConfigError(f"config key '{key}': --resume {path} was trained with {saved[key]!r}, this recipe "
-                              f"gives {now[key]!r}; a checkpoint resumes only with the same {key}")
-    return ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in _TRAJECTORY_KEYS if k in saved and saved[k] != now[k])
+    return compare(saved, resume_settings(cfg), _SHAPE_KEYS, path)
 
 
 def run(cfg: SFTConfig, resume: str | None = None) -> None:

@@ -144,11 +144,15 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
     assert saved.startswith("epoch_0001"), saved  # this epoch's state, not the one before
     verify(run_dir / "checkpoints" / saved)
     assert len(metrics(run_dir)) == 1  # epoch 1 is not logged: it is finished after the resume
+    # what a requeue decides on: the marker names the checkpoint (the launcher's own status may be 143)
+    marker = json.loads((run_dir / "PREEMPTED").read_text())
+    assert marker["checkpoint"].endswith(saved) and "SIGTERM" in marker["reason"]
 
     resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
     assert resumed.returncode == 0, tail(resumed)
     assert f"resumed from {run_dir / 'checkpoints' / saved}" in resumed.stdout
     assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))
+    assert not (run_dir / "PREEMPTED").exists()  # training again cleared it
 
 
 # A run that cannot write any more stops with one line naming the path (paco_ds/storage.py).

@@ -120,3 +120,44 @@ def test_export_lora_from_one_process_matches_the_runs_own_export(full_run, tmp_
     theirs = load_file(full_run / "lora" / "pytorch_lora_weights.safetensors")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(float(v.abs().max()) > 0 for k, v in ours.items() if "lora_B" in k)  # trained, not the init
+
+
+def _dry_resume(full_run, tmp_path, *sets, allow=()):
+    """`--dry-run --resume latest` of a copy of the shared run's checkpoints with `sets`."""
+    import shutil
+
+    from conftest import run_cli
+
+    shutil.copytree(full_run / "checkpoints", tmp_path / "run" / "checkpoints", symlinks=True)
+    args = ["launch/train.py", "--config", str(REPO / "configs/tiny/t2is.yaml"), "--dry-run", "--resume", "latest",
+            "--set", f"output_dir={tmp_path}", "--set", "run_name=run", *FAST_SETS]
+    for s in sets:
+        args += ["--set", s]
+    for key in allow:
+        args += ["--allow-changed", key]
+    return run_cli(*args)
+
+
+FAST_SETS = [a for s in FAST for a in ("--set", s)]
+
+
+@pytest.mark.parametrize("change, key", [("train.loss=nft", "train.loss"), ("model.lora.rank=4", "model.lora.rank"),
+                                         ("rewards.train.terms.consistency_score.top_logprobs=100", "rewards.train.terms")])
+def test_a_resume_that_would_be_another_run_is_refused_naming_the_key(full_run, tmp_path, change, key):
+    from conftest import one_line_error
+
+    line = one_line_error(_dry_resume(full_run, tmp_path, change))
+    assert f"config key '{key}': --resume" in line and f"this recipe gives" in line, line
+    assert f"--allow-changed {key} to resume anyway" in line
+
+
+def test_a_safe_change_on_resume_is_allowed_and_said_once(full_run, tmp_path):
+    out = _dry_resume(full_run, tmp_path, "train.num_epochs=6", "test.eval_freq=3")
+    assert out.returncode == 0, out.stderr
+    assert "changed settings: train.num_epochs 4 -> 6, test.eval_freq 2 -> 3" in out.stdout
+
+
+def test_allow_changed_resumes_a_deliberate_change(full_run, tmp_path):
+    out = _dry_resume(full_run, tmp_path, "train.loss=nft", allow=("train.loss",))
+    assert out.returncode == 0, out.stderr
+    assert "changed settings: train.loss 'ppo' -> 'nft'" in out.stdout
