@@ -36,6 +36,7 @@ import httpx
 
 from paco_ds.config import ClusterConfig, JudgePlacement
 from paco_ds.errors import ConfigError, UserError
+from paco_ds.serving.manager import log_tail
 from paco_ds.stopping import PREEMPTED_EXIT, preempted_since
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -197,13 +198,9 @@ def judge_command(judge: Judge, servers, bind: str, python: str = sys.executable
 
         argv, env = vllm_command(model, servers, bind, judge.port, judge.gpus or [0], {}, sleep_mode=colocate)
     else:
-        source = ["--tiny"] if model.tiny else ["--model", str(model.path)]
-        argv = [python, "-m", "paco_ds.serving.hf_engine", *source, "--served-model-name", model.name,
-                "--host", bind, "--port", str(judge.port), "--device", servers.device, "--dtype", servers.dtype,
-                "--max-model-len", str(servers.max_model_len), "--max-batch-size", str(servers.max_batch_size),
-                "--batch-wait-ms", f"{servers.batch_wait_ms:g}", "--max-logprobs", str(servers.max_logprobs),
-                "--max-images", str(servers.max_images), "--max-body-mb", f"{servers.max_body_mb:g}",
-                "--api-key-env", servers.api_key_env, "--exit-with-parent"]
+        from paco_ds.serving.manager import hf_engine_command
+
+        argv = [*hf_engine_command(model, servers, bind, judge.port, python), "--exit-with-parent"]
         env = {}
     if judge.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, judge.gpus))
@@ -340,14 +337,6 @@ def _stop_remote_judge(host: str, pid: int, ssh_port: int | None) -> str | None:
     return None
 
 
-def _tail(path: Path, n: int = 6) -> str:
-    try:
-        lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-n:]) or "(empty log)"
-
-
 class Cluster:
     """The processes of one multi-node run; `close()` stops all of them, on every host."""
 
@@ -389,14 +378,14 @@ class Cluster:
                 rj.pid = rj.pid or _remote_pid(rj.log)
                 if rj.proc.poll() is not None:
                     raise ClusterError(f"host '{rj.judge.host}': judge on port {rj.judge.port} exited with code "
-                                       f"{rj.proc.returncode} while starting (log {rj.log}): {_tail(rj.log)}")
+                                       f"{rj.proc.returncode} while starting (log {rj.log}): {log_tail(rj.log, 6)}")
                 if self._ready(rj):
                     pending.remove(rj)
             if pending and time.monotonic() > deadline:
                 rj = pending[0]
                 raise ClusterError(f"host '{rj.judge.host}': judge not ready on {rj.url} after "
                                    f"{self.cfg.startup_timeout:g}s (cluster.startup_timeout; log {rj.log}): "
-                                   f"{_tail(rj.log)}")
+                                   f"{log_tail(rj.log, 6)}")
             time.sleep(0.3)
 
     def start_judges(self) -> None:
@@ -418,7 +407,7 @@ class Cluster:
                 code = rj.proc.returncode
                 if rj.restarts >= self.cfg.restarts:
                     raise ClusterError(f"host '{rj.judge.host}': judge on port {rj.judge.port} died (code {code}) "
-                                       f"after {rj.restarts} restart(s) (log {rj.log}): {_tail(rj.log)}")
+                                       f"after {rj.restarts} restart(s) (log {rj.log}): {log_tail(rj.log, 6)}")
                 rj.restarts += 1
                 t0 = time.monotonic()
                 self.log(f"[cluster] host '{rj.judge.host}': judge on port {rj.judge.port} died (code {code}); "

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from paco_ds.errors import ConfigError
 from paco_ds.recipe import load_recipe
+from paco_ds.serving.protocol import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_PREPARE_MEMORY_MB
 
 API_KEY_ENV = "PACO_REWARD_API_KEY"
 
@@ -62,6 +63,8 @@ class ServersConfig(_Section):
     max_logprobs: int = Field(20, ge=1)
     max_images: int = Field(2, ge=1)
     max_body_mb: float = Field(64, gt=0)
+    max_image_pixels: int = Field(DEFAULT_MAX_IMAGE_PIXELS, ge=1)  # per image, from its header (gateway too)
+    prepare_memory_mb: float = Field(DEFAULT_PREPARE_MEMORY_MB, gt=0)  # hf engine: images being prepared at once
     # auto: cuda when available, else cpu (hf engine); vLLM: GPUs, unless "cpu" (vLLM's CPU build)
     device: str = "auto"
     # Built-in transformers engine

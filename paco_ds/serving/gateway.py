@@ -24,12 +24,14 @@ from fastapi.responses import JSONResponse, Response
 
 from paco_ds.errors import ConfigError, exit_on_user_error
 from paco_ds.serving.config import API_KEY_ENV
-from paco_ds.serving.protocol import ApiError, check_image_count, install_common, read_json, serve
+from paco_ds.serving.protocol import (DEFAULT_MAX_IMAGE_PIXELS, ApiError, check_image_count, check_image_pixels,
+                                     install_common, read_json, serve)
 
 log = logging.getLogger(__name__)
 
 
 def create_app(routes: dict[str, str], *, max_images: int = 2, max_body_mb: float = 64,
+               max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                api_key_env: str | None = API_KEY_ENV, timeout: float = 300.0, connect_timeout: float = 10.0):
     """`routes`: served model name -> backend base URL (scheme, host and port, without /v1)."""
     routes = {name: url.rstrip("/") for name, url in routes.items()}
@@ -92,6 +94,7 @@ def create_app(routes: dict[str, str], *, max_images: int = 2, max_body_mb: floa
     async def forward(path: str, request: Request):
         body = await read_json(request, max_body)
         check_image_count(body, max_images)
+        check_image_pixels(body, max_image_pixels)  # vLLM behind it would decode the image whole
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "the request has no 'model' field")
@@ -132,6 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-images", type=int, default=2)
     p.add_argument("--max-body-mb", type=float, default=64)
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a backend's answer")
     p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer token")
     p.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
@@ -139,7 +143,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with exit_on_user_error("gateway"):
         routes = parse_routes(args.backend)
-    app = create_app(routes, max_images=args.max_images, max_body_mb=args.max_body_mb, api_key_env=args.api_key_env,
+    app = create_app(routes, max_images=args.max_images, max_body_mb=args.max_body_mb,
+                     max_image_pixels=args.max_image_pixels, api_key_env=args.api_key_env,
                      timeout=args.timeout)
     log.info("gateway on http://%s:%d/v1 for %s", args.host, args.port, ", ".join(sorted(routes)))
     serve(app, args.host, args.port, exit_with_parent=args.exit_with_parent)

@@ -37,7 +37,9 @@ from starlette.concurrency import run_in_threadpool
 
 from paco_ds.dtypes import DTYPES, resolve_dtype
 from paco_ds.serving.config import API_KEY_ENV
-from paco_ds.serving.protocol import (ApiError, ChatCompletionRequest, Message, check_image_count, decode_data_uri,
+from paco_ds.serving.protocol import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_PREPARE_MEMORY_MB, PREPARE_BYTES_PER_PIXEL,
+                                     ApiError, ChatCompletionRequest, MemoryBudget, Message, check_image_count,
+                                     check_image_pixels, decode_data_uri,
                                       guard_admin_paths, install_common, parse_chat_request, read_json,
                                       serve)
 
@@ -352,8 +354,10 @@ class Batcher:
 
 def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, batch_wait_ms: float = 5.0,
                max_logprobs: int = 20, max_images: int = 2, max_body_mb: float = 64,
+               max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, prepare_memory_mb: float = DEFAULT_PREPARE_MEMORY_MB,
                api_key_env: str | None = API_KEY_ENV, offload_dir: str | None = None):
     max_body = int(max_body_mb * 2 ** 20)
+    budget = MemoryBudget(int(prepare_memory_mb * 2 ** 20))
     created = int(time.time())
     state: dict = {}
 
@@ -387,7 +391,7 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
 
     @app.get("/stats")
     async def get_stats():
-        return {**stats, **state["batcher"].stats}
+        return {**stats, **state["batcher"].stats, "prepare_bytes_held": budget.used, "prepare_waits": budget.waits}
 
     # Sleep mode (vLLM's endpoints, level 1): colocated with training, the judge gives its memory back.
     sleep = SleepState(offload_dir=offload_dir)
@@ -454,10 +458,12 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
         try:
             body = await read_json(request, max_body)
             check_image_count(body, max_images)
+            pixels = check_image_pixels(body, max_image_pixels)
             req = parse_chat_request(body)
             if req.model != served_name:
                 raise ApiError(404, f"model '{req.model}' is not served here; served: {served_name}")
-            prepared = await run_in_threadpool(engine.prepare, req, max_logprobs)
+            async with budget.hold(pixels * PREPARE_BYTES_PER_PIXEL):
+                prepared = await run_in_threadpool(engine.prepare, req, max_logprobs)
             gen = await state["batcher"].submit(prepared)
         except ApiError as err:
             stats[f"errors_{err.status}"] += 1
@@ -508,6 +514,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-images", type=int, default=2)
     p.add_argument("--max-body-mb", type=float, default=64)
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="largest image (width x height) a request may hold; read from its header")
+    p.add_argument("--prepare-memory-mb", type=float, default=DEFAULT_PREPARE_MEMORY_MB,
+                   help="memory the images of requests being prepared may take at once")
     p.add_argument("--api-key-env", default=API_KEY_ENV, help="environment variable holding the bearer token")
     p.add_argument("--exit-with-parent", action="store_true", help="stop when the starting process dies")
     p.add_argument("--offload-dir", default=None, help="where a sleeping CPU engine writes its weights (a disk; "
@@ -527,7 +537,9 @@ def main(argv=None) -> None:
         raise SystemExit(2)
     app = create_app(engine, args.served_model_name, max_batch_size=args.max_batch_size,
                      batch_wait_ms=args.batch_wait_ms, max_logprobs=args.max_logprobs, max_images=args.max_images,
-                     max_body_mb=args.max_body_mb, api_key_env=args.api_key_env, offload_dir=args.offload_dir)
+                     max_body_mb=args.max_body_mb, max_image_pixels=args.max_image_pixels,
+                     prepare_memory_mb=args.prepare_memory_mb, api_key_env=args.api_key_env,
+                     offload_dir=args.offload_dir)
     log.info("serving '%s' (%s) on http://%s:%d/v1 [%s, %s]", args.served_model_name,
              "tiny" if args.tiny else args.model, args.host, args.port, engine.device, engine.model.dtype)
     serve(app, args.host, args.port, exit_with_parent=args.exit_with_parent)

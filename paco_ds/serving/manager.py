@@ -75,6 +75,19 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
+def hf_engine_command(model, cfg: ServersConfig, host: str, port: int, python: str = sys.executable) -> list[str]:
+    """The built-in engine's command line for `model` with the request limits of `cfg` (here and
+    on a judge node of launch/cluster.py)."""
+    source = ["--tiny"] if model.tiny else ["--model", str(model.path)]
+    return [python, "-m", "paco_ds.serving.hf_engine", *source, "--served-model-name", model.name,
+            "--host", host, "--port", str(port), "--device", cfg.device, "--dtype", cfg.dtype,
+            "--max-model-len", str(cfg.max_model_len), "--max-batch-size", str(cfg.max_batch_size),
+            "--batch-wait-ms", f"{cfg.batch_wait_ms:g}", "--max-logprobs", str(cfg.max_logprobs),
+            "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
+            "--max-image-pixels", str(cfg.max_image_pixels), "--prepare-memory-mb", f"{cfg.prepare_memory_mb:g}",
+            "--api-key-env", cfg.api_key_env]
+
+
 def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,
          port_for: Callable[[], int] = free_port, environ=os.environ, sleep_mode: bool = False) -> list[ServerSpec]:
     """The processes for a config: engines first, then the gateway (if the layout has one).
@@ -98,13 +111,7 @@ def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,
         if cfg.engine == "vllm":
             argv, env = vllm_command(model, cfg, host, port, block, environ, sleep_mode=sleep_mode)
         else:
-            source = ["--tiny"] if model.tiny else ["--model", str(model.path)]
-            argv = [sys.executable, "-m", "paco_ds.serving.hf_engine", *source, "--served-model-name", model.name,
-                    "--host", host, "--port", str(port), "--device", cfg.device, "--dtype", cfg.dtype,
-                    "--max-model-len", str(cfg.max_model_len), "--max-batch-size", str(cfg.max_batch_size),
-                    "--batch-wait-ms", f"{cfg.batch_wait_ms:g}", "--max-logprobs", str(cfg.max_logprobs),
-                    "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
-                    "--api-key-env", cfg.api_key_env, *tail]
+            argv = [*hf_engine_command(model, cfg, host, port), *tail]
             env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, block))} if block else {}
         specs.append(ServerSpec(_safe(model.name), "engine", argv, host, port, [model.name], env))
     if layout == "gateway":
@@ -112,7 +119,7 @@ def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,
         routes = [a for s in specs for a in ("--backend", f"{s.models[0]}={s.url}")]
         argv = [sys.executable, "-m", "paco_ds.serving.gateway", *routes, "--host", cfg.host, "--port", str(port),
                 "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
-                "--api-key-env", cfg.api_key_env, *tail]
+                "--max-image-pixels", str(cfg.max_image_pixels), "--api-key-env", cfg.api_key_env, *tail]
         specs.append(ServerSpec("gateway", "gateway", argv, cfg.host, port, [m.name for m in cfg.models]))
     return specs
 
@@ -152,7 +159,39 @@ def read_state(state_dir: str | Path) -> dict:
     path = Path(state_dir) / STATE_FILE
     if not path.is_file():
         raise ServerError(f"no reward servers recorded in {state_dir} ({STATE_FILE} not found)")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ServerError(f"{path}:{err.lineno}: not a reward-server state file ({err.msg}); if no servers of "
+                          f"this run are alive, remove it") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ServerError(f"{path}: unreadable ({err})") from None
+    problem = _state_problem(state)
+    if problem:
+        raise ServerError(f"{path}: not a reward-server state file ({problem}); if no servers of this run are "
+                          f"alive, remove it")
+    return state
+
+
+def _state_problem(state) -> str | None:
+    """What is wrong with a parsed state file, or None: `stop` signals the pids it holds, so a
+    hand-edited or foreign file must not be trusted field by field."""
+    if not isinstance(state, dict):
+        return "expected a JSON object"
+    if not isinstance(state.get("servers"), list):
+        return "no 'servers' list"
+    if not isinstance(state.get("endpoints", {}), dict):
+        return "'endpoints' must be an object"
+    for i, s in enumerate(state["servers"]):
+        if not isinstance(s, dict):
+            return f"servers[{i}] is not an object"
+        for key, kind, what in (("name", str, "a string"), ("role", str, "a string"), ("url", str, "a string"),
+                                ("pid", int, "an integer")):
+            if not isinstance(s.get(key), kind) or isinstance(s.get(key), bool):
+                return f"servers[{i}].{key} missing or not {what}"
+        if s["pid"] <= 1:
+            return f"servers[{i}].pid {s['pid']} is not a server's pid"
+    return None
 
 
 def _write_state(state_dir: Path, state: dict) -> None:
@@ -161,7 +200,8 @@ def _write_state(state_dir: Path, state: dict) -> None:
     tmp.replace(state_dir / STATE_FILE)
 
 
-def _log_tail(path: Path, n: int = 8) -> str:
+def log_tail(path: Path, n: int = 8) -> str:
+    """The last `n` non-empty lines of a server's log on one line: why it died, for the error."""
     try:
         lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if l.strip()]
     except OSError:
@@ -198,13 +238,13 @@ def _wait(started: list[tuple[ServerSpec, subprocess.Popen, Path]], timeout: flo
             spec, proc, log = item
             if proc.poll() is not None:
                 raise ServerError(f"reward server '{spec.name}' exited with code {proc.returncode} while starting "
-                                  f"(log {log}): {_log_tail(log)}")
+                                  f"(log {log}): {log_tail(log)}")
             if _ready(spec, token):
                 pending.remove(item)
         if pending and time.monotonic() > deadline:
             spec, _, log = pending[0]
             raise ServerError(f"reward server '{spec.name}' was not ready on {spec.url} after {timeout:g}s "
-                              f"(reward_servers.startup_timeout; log {log}): {_log_tail(log)}")
+                              f"(reward_servers.startup_timeout; log {log}): {log_tail(log)}")
         if pending:
             time.sleep(0.2)
 

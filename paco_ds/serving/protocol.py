@@ -3,12 +3,15 @@ bearer-token check, body-size and image-count limits, data-URI images, and runni
 
 Errors use OpenAI's body, `{"error": {"message", "type", "code"}}`, so the `openai` client shows
 the server's message in its exception. Limits are checked before anything is decoded: the body
-size while it streams in, the image count on the parsed JSON.
+size while it streams in, the image count on the parsed JSON, each image's pixels from its header,
+and the memory a request's images will take while they are prepared (MemoryBudget).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
 import io
 import json
@@ -19,7 +22,7 @@ import signal
 import threading
 import time
 import warnings
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -102,16 +105,99 @@ def check_image_count(body: Any, max_images: int) -> None:
                             "(max_images)")
 
 
+# Peak bytes per image pixel while the engine prepares a request: PIL's decode and convert("RGB")
+# (8 B/px) and the Qwen2.5-VL processor's copies before it resizes (about 10 B/px more); measured
+# with ru_maxrss on a 4000x4000 PNG. An 8000x8000 PNG of 263 KiB costs about 0.8 GiB.
+PREPARE_BYTES_PER_PIXEL = 20
+# The largest image a judge decodes: a 4096x4096 square (about 340 MB to prepare). The judge sees
+# 512-2048 px renders; anything much larger is a mistake or an attack, refused from its header.
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+DEFAULT_PREPARE_MEMORY_MB = 1024
+_HEADER_B64_CHARS = 1 << 16  # enough base64 for a PNG's IHDR or a JPEG's SOF after common EXIF
+
+
+def _data_uri_payload(url: str) -> str:
+    if not url.startswith("data:image/") or ";base64," not in url[:64]:
+        raise ApiError(400, f"image_url must be a base64 data URI (data:image/...;base64,...), got '{url[:40]}...'")
+    return url.split(",", 1)[1]
+
+
+def image_size(url: str) -> tuple[int, int]:
+    """(width, height) of a data-URI image from its header: a prefix of the base64 is decoded, the
+    whole only when the header lies further in (a JPEG with a large EXIF block)."""
+    from PIL import Image, UnidentifiedImageError
+
+    def header_size(b64: str) -> tuple[int, int]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(base64.b64decode(b64, validate=True))) as im:  # reads the header only
+                return im.size
+
+    payload = _data_uri_payload(url)
+    unreadable = (binascii.Error, ValueError, UnidentifiedImageError, OSError)
+    try:
+        if len(payload) > _HEADER_B64_CHARS:
+            with contextlib.suppress(*unreadable):
+                return header_size(payload[:_HEADER_B64_CHARS])
+        return header_size(payload)
+    except Image.DecompressionBombError as err:
+        raise ApiError(400, f"image exceeds this server's limit of {Image.MAX_IMAGE_PIXELS} pixels ({err})") from None
+    except unreadable as err:
+        raise ApiError(400, f"image_url data URI does not hold a readable image ({type(err).__name__})") from None
+
+
+def check_image_pixels(body: Any, max_pixels: int) -> int:
+    """Refuse (400) a request holding an image over `max_pixels`, read from each header before any
+    image is decoded; returns the request's total pixels (what preparing it will cost)."""
+    total = 0
+    for part in image_parts(body):
+        url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+        if not isinstance(url, str):
+            continue  # the schema check names it
+        w, h = image_size(url)
+        if w * h > max_pixels:
+            raise ApiError(400, f"image of {w}x{h} = {w * h} pixels exceeds this server's limit of {max_pixels} "
+                                "pixels (max_image_pixels)")
+        total += w * h
+    return total
+
+
+class MemoryBudget:
+    """Bytes that requests being prepared may hold at once. The preparation pool has 40 threads; a
+    budget in bytes (not a count) keeps 40 large images from being decoded together, while small
+    requests still run 40 wide. A request that alone exceeds the budget is refused (413)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used, self.waits = capacity, 0, 0
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        if nbytes > self.capacity:
+            raise ApiError(413, f"preparing this request's images takes about {nbytes / 2**20:.1f} MiB, over this "
+                                f"server's budget of {self.capacity / 2**20:.1f} MiB (prepare_memory_mb)")
+        async with self._cond:
+            if self.used + nbytes > self.capacity:
+                self.waits += 1
+                await self._cond.wait_for(lambda: self.used + nbytes <= self.capacity)
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
+
+
 def decode_data_uri(url: str):
     """A PIL RGB image from `data:image/...;base64,...`. Remote URLs are refused: a reward server
     must not fetch from the network on a client's behalf."""
     from PIL import Image, UnidentifiedImageError
 
-    if not url.startswith("data:image/") or ";base64," not in url[:64]:
-        raise ApiError(400, f"image_url must be a base64 data URI (data:image/...;base64,...), got '{url[:40]}...'")
+    payload = _data_uri_payload(url)
     limit = Image.MAX_IMAGE_PIXELS or 0  # PIL's decompression-bomb bound (about 89 M pixels)
     try:
-        raw = base64.b64decode(url.split(",", 1)[1], validate=True)
+        raw = base64.b64decode(payload, validate=True)
         with warnings.catch_warnings():  # over the limit is answered below, not logged
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(raw))  # reads the header only: the size is known before decoding

@@ -115,7 +115,7 @@ def test_a_refused_start_does_not_stop_servers_it_did_not_start(tmp_path):
         state_dir = manager.run_state_dir(tmp_path)
         state_dir.mkdir(parents=True)
         (state_dir / manager.STATE_FILE).write_text(json.dumps({
-            "endpoints": {}, "servers": [{"name": "judge", "pid": other.pid,
+            "endpoints": {}, "servers": [{"name": "judge", "role": "engine", "url": "http://127.0.0.1:1/v1", "pid": other.pid,
                                           "start_time": manager._start_time(other.pid)}]}))
         cfg = ServersConfig(engine="hf", models=[{"name": "m", "tiny": True}], port=0)
         with pytest.raises(UserError, match="still running"):

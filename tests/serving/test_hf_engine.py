@@ -46,6 +46,9 @@ def ckpt(tmp_path_factory):
     return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen"))
 
 
+STARTED: dict = {}  # the module's server state (its pid), for tests that watch the process
+
+
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     os.environ[TOKEN_ENV] = TOKEN
@@ -54,6 +57,7 @@ def server(ckpt, tmp_path_factory):
                         max_body_mb=1, api_key_env=TOKEN_ENV, startup_timeout=120)
     try:
         state = manager.start(cfg, state_dir, exit_with_parent=True)
+        STARTED.update(state)
         yield state["endpoints"][MODEL]
     finally:
         manager.stop(state_dir)
@@ -223,3 +227,26 @@ def test_health_is_open_and_models_need_the_token(server):
     assert httpx.get(f"{server}/models").status_code == 401
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):  # the process's resident-memory high-water mark
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_an_8000x8000_png_is_refused_without_a_memory_spike(server):
+    """An 8000x8000 PNG is a few KiB on the wire and about 0.8 GiB once decoded and prepared:
+    the judge refuses it from its header, and its peak memory does not move."""
+    (pid,) = [s["pid"] for s in STARTED["servers"]]
+    im = Image.new("1", (8000, 8000))  # 8 MB here, 192 MB decoded to RGB in the judge
+    body = _body(images=0)
+    body["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {"url": _uri(im)}})
+    peak = _peak_rss_mib(pid)
+    r = _post(server, body)
+    assert r.status_code == 400, r.text
+    assert "image of 8000x8000 = 64000000 pixels exceeds this server's limit" in r.json()["error"]["message"]
+    assert _peak_rss_mib(pid) - peak < 64  # decoding it would add at least 192 MiB
+    stats = httpx.get(f"{server.removesuffix('/v1')}/stats", headers={"authorization": f"Bearer {TOKEN}"}).json()
+    assert stats["prepare_bytes_held"] == 0

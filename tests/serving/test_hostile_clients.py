@@ -186,3 +186,85 @@ def test_idle_and_half_sent_connections_are_closed(server):
                 assert chunk, f"closed after {got!r}"
                 got += chunk
             time.sleep(0.3)
+
+
+def _png_uri(size, mode="1", fmt="PNG", **save):
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, fmt, **save)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_chat(uri):
+    return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "Same?"}]}]}
+
+
+def test_image_size_is_read_from_the_header_even_behind_a_large_exif_block():
+    from paco_ds.serving.protocol import _HEADER_B64_CHARS, image_size
+
+    assert image_size(_png_uri((8000, 6000))) == (8000, 6000)
+    exif = b"Exif\x00\x00" + b"x" * 60_000  # pushes a JPEG's size marker past the decoded prefix
+    uri = _png_uri((300, 200), mode="RGB", fmt="JPEG", exif=exif)
+    assert len(uri) > _HEADER_B64_CHARS and image_size(uri) == (300, 200)
+
+
+@pytest.mark.parametrize("make_app", [_engine_app, _gateway_app], ids=["hf_engine", "gateway"])
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header(make_app, monkeypatch):
+    """The stub engine cannot prepare anything: a refusal here happened before any decode."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with TestClient(make_app(), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", json=_image_chat(_png_uri((8000, 8000))))
+        assert r.status_code == 400, r.text
+        assert ("image of 8000x8000 = 64000000 pixels exceeds this server's limit of 16777216 pixels "
+                "(max_image_pixels)") in r.json()["error"]["message"]
+
+
+def test_a_request_whose_images_exceed_the_preparation_budget_is_a_413(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with TestClient(_engine_app(prepare_memory_mb=0.5), raise_server_exceptions=False) as client:
+        r = client.post("/v1/chat/completions", json=_image_chat(_png_uri((256, 256))))  # 64 Ki px x 20 B = 1.25 MiB
+        assert r.status_code == 413, r.text
+        assert "over this server's budget of 0.5 MiB (prepare_memory_mb)" in r.json()["error"]["message"]
+
+
+def test_the_preparation_budget_makes_a_large_request_wait_for_memory_not_for_a_thread():
+    import asyncio
+
+    from paco_ds.serving.protocol import MemoryBudget
+
+    async def scenario():
+        budget = MemoryBudget(100)
+        order = []
+        first_in = asyncio.Event()
+        release = asyncio.Event()
+
+        async def holder():
+            async with budget.hold(70):
+                order.append("first in")
+                first_in.set()
+                await release.wait()
+            order.append("first out")
+
+        async def second():
+            await first_in.wait()
+            async with budget.hold(50):  # 70 + 50 > 100: waits for the first
+                order.append("second in")
+                assert budget.used == 50
+
+        async def small():
+            await first_in.wait()
+            async with budget.hold(30):  # 70 + 30 fits: no wait
+                order.append("small in")
+            release.set()
+
+        await asyncio.wait_for(asyncio.gather(holder(), second(), small()), timeout=30)
+        return order, budget
+
+    order, budget = asyncio.run(scenario())
+    assert order == ["first in", "small in", "first out", "second in"]
+    assert budget.waits == 1 and budget.used == 0

@@ -89,3 +89,19 @@ def test_servers_owned_by_a_run_start_and_stop_with_it(tmp_path):
     assert manager.endpoints_for_run(None, tmp_path) == {}
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/models")
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"servers": [{"name": "judge", "role": "engine", "url": "http://127.0.0.1:1", "pi', "servers.json:1: not a reward-server state file"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"servers": [{"name": "judge", "role": "engine", "url": "u", "pid": "12"}]}', "servers[0].pid missing or not an integer"),
+    ('{"servers": [{"name": "judge", "role": "engine", "url": "u", "pid": 1}]}', "servers[0].pid 1 is not a server's pid"),
+])
+def test_a_damaged_state_file_is_one_line_for_status_and_stop(tmp_path, text, says):
+    (tmp_path / "servers.json").write_text(text)
+    for command in ("status", "stop"):
+        out = _cli(command, "--run-dir", str(tmp_path), timeout=60)
+        assert out.returncode == 2, (command, out.stderr)
+        line = _one_line_error(out)
+        assert says in line and str(tmp_path / "servers.json") in line, line
+    assert (tmp_path / "servers.json").read_text() == text  # kept for the user to look at
