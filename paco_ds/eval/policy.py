@@ -28,9 +28,9 @@ def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None,
     if not cfg.data.test_file:
         raise ConfigError("data.test_file: the recipe names no test prompts to evaluate")
     if lora is not None:
-        p = Path(lora)
-        if not (p / "pytorch_lora_weights.safetensors").is_file() and not p.is_file():
-            raise ConfigError(f"--lora {lora}: no pytorch_lora_weights.safetensors there")
+        from paco_ds.models.lora import check_lora_file
+
+        check_lora_file(lora, "--lora")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist = setup_distributed()
     out_dir = Path(out) if out else cfg.run_dir / "eval"

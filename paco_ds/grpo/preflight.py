@@ -142,5 +142,9 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_reward_arguments(cfg)
     check_records_for_rewards(cfg, train_items, test_items)
     check_loss(cfg)
+    if cfg.model.lora.path:
+        from paco_ds.models.lora import check_lora_file
+
+        check_lora_file(cfg.model.lora.path, "config key 'model.lora.path':")
     check_deepspeed_config(cfg)
     check_writable(cfg.run_dir, "output_dir")

@@ -18,6 +18,43 @@ from paco_ds.recipe import suggest
 ADAPTER = "default"
 
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def check_lora_file(path: str | Path, key: str) -> Path:
+    """The adapter file at `path` (a directory holding LORA_FILE, or the file), read through before
+    any model is built: a truncated, foreign or empty file is one line naming `key` and the file,
+    not a SafetensorError after the judge and the transformer are up. Every lora_A needs its lora_B
+    of the same rank, and no tensor may be non-finite (a diverged export would evaluate as noise)."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path).expanduser()
+    file = p / LORA_FILE if p.is_dir() else p
+    if not file.is_file():
+        raise ConfigError(f"{key} {path}: no {LORA_FILE} there")
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ConfigError(f"{key} {file}: not a readable safetensors file ({err})") from None
+    down = {k[: -len("lora_A.weight")]: v for k, v in tensors.items() if k.endswith("lora_A.weight")}
+    up = {k[: -len("lora_B.weight")]: v for k, v in tensors.items() if k.endswith("lora_B.weight")}
+    if not down:
+        raise ConfigError(f"{key} {file}: holds no LoRA weights (no '*.lora_A.weight' among its "
+                          f"{len(tensors)} tensors)")
+    for stem in sorted(set(down) ^ set(up)):
+        raise ConfigError(f"{key} {file}: '{stem}' has only one of lora_A/lora_B")
+    for stem, a in down.items():
+        b = up[stem]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ConfigError(f"{key} {file}: '{stem}' lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not "
+                              "share a rank")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"{key} {file}: tensor '{name}' has non-finite values")
+    return file
+
+
 def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Freeze the base and attach a LoRA adapter (or load the one at `cfg.path`)."""
     from peft import LoraConfig as PeftLoraConfig
@@ -71,4 +108,4 @@ def export_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path, metada
     out_dir.mkdir(parents=True, exist_ok=True)
     FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
                                    transformer_lora_adapter_metadata=metadata)
-    return out_dir / "pytorch_lora_weights.safetensors"
+    return out_dir / LORA_FILE

@@ -108,6 +108,11 @@ def parse_record(raw, where: str, image_root: Path) -> Record:
     images = raw.get("images") or []
     if isinstance(images, str):
         images = [images]
+    if not isinstance(images, list):
+        raise DataError(f"{where}: 'images' must be a list of image paths (got {type(images).__name__})")
+    for j, im in enumerate(images):
+        if not isinstance(im, str) or not im.strip():
+            raise DataError(f"{where}: images[{j}] must be an image path (a non-empty string), got {im!r}")
     if not images:
         # Every rank must run the vision tower in every step under ZeRO-3 (its gathers are collective).
         raise DataError(f"{where}: no images (records are image pairs; text-only records are not supported)")

@@ -95,6 +95,8 @@ def test_cutoff_cuts_the_answer_and_rejects_a_long_prompt(tmp_path, processor):
     (pair(images=["a.png"]), r"record 1: 2 <image> placeholder\(s\) but 1 image\(s\)"),
     (pair(images=["a.png", "missing.png"]), r"record 1: image file not found: .*missing.png"),
     (pair(images=[]), "record 1: no images"),
+    (pair(images=["a.png", 7]), r"record 1: images\[1\] must be an image path \(a non-empty string\), got 7"),
+    ({**pair(), "images": {"a": "a.png"}}, "record 1: 'images' must be a list of image paths"),
     ({"messages": [{"role": "assistant", "content": "Yes"}, {"role": "user", "content": "<image>?"}],
       "images": ["a.png"]}, "record 1: turns must alternate"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "record 1: message 0 has role 'bot'"),
