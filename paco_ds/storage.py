@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import re
 import shutil
 import sys
 import threading
@@ -23,6 +25,8 @@ from paco_ds.errors import UserError
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # What torch's and DeepSpeed's C++ writers say when a write() fails; the errno is lost on the way.
+# torch's C++ writer opening a file in a directory that is gone (torch/serialization.py).
+_PARENT_GONE = re.compile(r"Parent directory (.+) does not exist\.")
 WRITER_FAILED = ("PytorchStreamWriter failed", "basic_ios::clear", "file write failed", "unexpected pos")
 
 
@@ -55,12 +59,27 @@ def _free(path: Path) -> str:
     return f"{disk[0] / 2**20:.1f} MiB free on its disk" if disk else "free space unknown"
 
 
+def _written_file(err: BaseException, path: Path, run_dir: Path | None) -> Path:
+    """The file that was being written when `err` happened. A copy names both ends, and the one in
+    `filename` is the source (shutil's sendfile copy, as DeepSpeed copies its zero_to_fp32.py into
+    each checkpoint, reports the package's own file there): the destination under the run
+    directory is the one the user can act on."""
+    if not isinstance(err, OSError):
+        return path
+    names = [Path(os.fsdecode(n)) for n in (err.filename2, err.filename) if n is not None and n != ""]
+    root = Path(run_dir) if run_dir is not None else path
+    for name in names:
+        if name == root or root in name.parents:
+            return name
+    return names[-1] if names else path
+
+
 def storage_failure(err: BaseException, path: Path, run_dir: Path | None = None) -> StorageError | None:
     """The one-line error for `err`, raised while writing `path` (a file or a directory under
     `run_dir`), or None when `err` is not a storage failure (it keeps its traceback)."""
     path = Path(path)
     for e in _causes(err):
-        where = Path(e.filename) if isinstance(e, OSError) and e.filename else path
+        where = _written_file(e, path, run_dir)
         if run_dir is not None and not Path(run_dir).is_dir():
             return StorageError(f"the run directory {run_dir} was deleted while the run was writing to it "
                                 f"({where}); nothing more can be saved there")
@@ -68,6 +87,12 @@ def storage_failure(err: BaseException, path: Path, run_dir: Path | None = None)
             return StorageError(f"no space left on device writing {where} ({e.strerror}; {_free(where)})")
         if isinstance(e, FileNotFoundError) and run_dir is not None and Path(run_dir) in where.parents:
             return StorageError(f"{where.parent} disappeared while the run was writing {where.name} into it")
+        gone = _PARENT_GONE.search(str(e)) if isinstance(e, RuntimeError) else None
+        if gone and run_dir is not None and Path(run_dir) in Path(gone[1]).parents:
+            # torch.save into a directory removed meanwhile: in a multi-rank checkpoint, the rank
+            # whose write failed first gives the partial checkpoint's space back (checkpoint.py)
+            return StorageError(f"{gone[1]} disappeared while the run was writing into it (another rank's "
+                                f"failed save removes it; {_free(Path(gone[1]))})")
         if isinstance(e, RuntimeError) and any(m in str(e) for m in WRITER_FAILED):
             first = str(e).strip().splitlines()[0][:200]
             disk = _disk(where)

@@ -359,6 +359,12 @@ def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
 
 def run(cfg: SFTConfig, resume: str | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from paco_ds import stopping
+
+    # As GRPO runs: a signal or the launcher's end stops this rank (SFT saves no preemption
+    # checkpoint: it resumes from its last periodic one), and a rank whose peer failed waits for
+    # the launcher so that the run's status is the failed rank's (paco_ds.distributed.exit_after_peer).
+    stopping.install(save_first=False)
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
     from paco_ds.runlock import owned_run_dir

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distributed_runs import REPO, cpu_env, launch_cmd, metrics, run_trainer, stable, tail
+from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port, launch_cmd, metrics, run_trainer, stable, tail
 from paco_ds.checkpoint import verify
 
 pytestmark = pytest.mark.stop
@@ -197,6 +197,41 @@ def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path)
     assert "train: error: " in err and "no space left on device writing " + str(run_dir) in err, err[-4000:]
     _no_traceback(err)
     assert "VERIFIED epoch_" in out, (out[-2000:], err[-2000:])
+
+
+def test_reward_sft_on_a_full_disk_names_a_file_of_its_run(tmp_path):
+    """The same for reward SFT: DeepSpeed copies its zero_to_fp32.py into each checkpoint, and a
+    copy that fails names its source (inside DeepSpeed's package) first; the line names the file
+    in the run directory."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "tiny_reward_sft"
+    sft = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/sft.py"),
+           "--config", str(REPO / "configs/tiny/reward_sft.yaml"), "--set", f"output_dir={disk}",
+           "--set", "train.num_epochs=200", "--set", "eval.at_start=false"]
+    script = 'mount -t tmpfs -o size=64m tmpfs "$1" || exit 99; shift; exec "$@"'
+    shell = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", str(disk), *sft], cwd=REPO,
+                             env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    view = Path(f"/proc/{shell.pid}/root{run_dir}")
+    try:
+        _wait_for(lambda: _latest(view) != "", shell, "the first SFT checkpoint")
+        with open(view.parent / "filler", "wb") as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * (1 << 20))
+                    fh.flush()
+            except OSError:
+                pass
+        _, err = shell.communicate(timeout=240)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.communicate(timeout=30)
+    assert shell.returncode == 74, err[-4000:]
+    assert "sft: error: " in err and "no space left on device writing " + str(run_dir) in err, err[-4000:]
+    assert "site-packages" not in err.split("sft: error: ", 1)[1].splitlines()[0]
+    _no_traceback(err)
 
 
 def test_a_run_directory_deleted_mid_run_is_one_line(tmp_path):

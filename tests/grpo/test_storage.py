@@ -106,3 +106,43 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_intact(tmp_path):
     assert "the last complete checkpoint" in out["error"] and out["error"].endswith("epoch_0000, is intact")
     assert out["latest"] == "epoch_0000" and out["verified"]
     assert out["left"] == ["epoch_0000", "latest"]  # the partial checkpoint's space is given back
+
+
+COPY_INTO_A_FULL_DISK = textwrap.dedent("""
+    import json, shutil, sys, tempfile
+    from pathlib import Path
+    from paco_ds.storage import storage_failure
+    src = Path(tempfile.mkdtemp()) / "zero_to_fp32.py"  # outside the disk, like DeepSpeed's own copy
+    src.write_bytes(b"#" * (1 << 20))
+    run = Path(sys.argv[1]) / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    try:
+        shutil.copyfile(src, run / "checkpoint" / "zero_to_fp32.py")  # as DeepSpeed copies its script
+        print(json.dumps({"error": None}))
+    except OSError as err:
+        print(json.dumps({"error": str(storage_failure(err, run, run)), "src": str(src),
+                          "names": [str(err.filename), str(err.filename2)]}))
+""")
+
+
+def test_a_copy_into_a_full_disk_names_the_destination_in_the_run_not_the_source(tmp_path):
+    r = _in_a_full_disk(tmp_path, COPY_INTO_A_FULL_DISK)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] is not None and out["error"].startswith("no space left on device writing "), out
+    assert str(tmp_path / "disk" / "run" / "checkpoint" / "zero_to_fp32.py") in out["error"], out
+    assert out["src"] not in out["error"]
+
+
+def test_a_checkpoint_directory_removed_under_a_rank_is_named(tmp_path):
+    """In a 2-rank save, the rank whose write failed first removes the partial checkpoint; the
+    other rank's torch.save then finds its directory gone: one line, not a traceback."""
+    staging = tmp_path / "run" / "checkpoints" / ".staging-step_0000012"
+    staging.parent.mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    err = _raised(lambda: torch.save({"w": torch.zeros(2)}, staging / "mp_rank_01_model_states.pt"))
+    assert isinstance(err, RuntimeError) and "does not exist" in str(err)
+    failure = storage_failure(err, tmp_path / "run", tmp_path / "run")
+    assert failure is not None and failure.exit_code == 74
+    assert str(failure).startswith(f"{staging} disappeared while the run was writing into it")
+    assert storage_failure(err, tmp_path / "other", tmp_path / "other") is None  # not this run's directory
