@@ -47,7 +47,8 @@ def run_trainer(run_dir: Path, *sets: str, nproc: int = 2, script: str = "launch
     return proc
 
 
-def resume_copy(run_dir: Path, dest: Path, checkpoint: str, *sets: str, **kwargs) -> subprocess.CompletedProcess:
+def resume_copy(run_dir: Path, dest: Path, checkpoint: str, *sets: str, extra: tuple[str, ...] = (),
+                **kwargs) -> subprocess.CompletedProcess:
     """A finished run resumed from one of its own checkpoints in a copy of its directory: the later
     checkpoints are removed and `latest` names `checkpoint`, as if the run had stopped there.
     The resumed copy's metrics must then equal the run's (one launch instead of a cut run and its
@@ -61,7 +62,7 @@ def resume_copy(run_dir: Path, dest: Path, checkpoint: str, *sets: str, **kwargs
         if later.is_dir() and later.name > checkpoint:
             shutil.rmtree(later)
     (ckpts / "latest").write_text(checkpoint)
-    return run_trainer(dest, *sets, extra=("--resume", "latest"), **kwargs)
+    return run_trainer(dest, *sets, extra=("--resume", "latest", *extra), **kwargs)
 
 
 def metrics(run_dir: Path) -> list[dict]:

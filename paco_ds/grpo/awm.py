@@ -230,8 +230,10 @@ class AWM(Loss):
         return {"anchor": [s.cpu() for s in self.anchor.shadow]} if self.anchor is not None else {}
 
     def load_state_dict(self, state):
-        if self.anchor is None or not state or "anchor" not in state:
+        if self.anchor is None:
             return
+        if "anchor" not in state:  # the trainer names what a checkpoint lacks before loading it
+            raise KeyError("the AWM loss state has no 'anchor'")
         if len(state["anchor"]) != len(self.anchor.shadow):
             raise ValueError("the AWM anchor in the checkpoint does not match the trainable parameters")
         for s, x in zip(self.anchor.shadow, state["anchor"]):

@@ -310,8 +310,8 @@ class NFT(Loss):
         return {"old": [s.cpu() for s in self.old.shadow]}
 
     def load_state_dict(self, state):
-        if not state or "old" not in state:
-            return
+        if "old" not in state:  # the trainer names what a checkpoint lacks before loading it
+            raise KeyError("the NFT loss state has no 'old' policy")
         if len(state["old"]) != len(self.old.shadow):
             raise ValueError("the old policy in the checkpoint does not match the trainable parameters")
         for s, v in zip(self.old.shadow, state["old"]):

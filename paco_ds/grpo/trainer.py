@@ -352,10 +352,9 @@ class GRPOTrainer:
         self.forwards = 0
         done = 0  # micro-steps of this epoch already taken (before a preemption checkpoint)
         if partial is not None:
-            stats, first, self.forwards, done = (partial["stats"], partial.get("first", {}), partial["forwards"],
-                                                 partial["done"])
+            stats, first, self.forwards, done = partial["stats"], partial["first"], partial["forwards"], partial["done"]
             self._restore_accumulation(partial)
-            self.loss.load_epoch_state(partial.get("loss_epoch", {}))
+            self.loss.load_epoch_state(partial["loss_epoch"])
         total = cfg.train.num_inner_epochs * n_micro * len(timesteps)
         bar = tqdm(total=total, initial=done, desc=f"epoch {self.epoch} train", disable=not self.dist.is_main,
                    leave=False)
@@ -532,14 +531,35 @@ class GRPOTrainer:
             log.info("checkpoint: %s", path)
         return path
 
+    # What a mid-epoch (preemption) checkpoint must hold to continue the epoch exactly.
+    PARTIAL_STATE = ("samples", "metrics", "forwards", "loss_epoch", "stats", "first", "done", "micro_step_id",
+                     "grads")
+
+    def missing_state(self, state: dict) -> list[str]:
+        """The pieces this run needs from a checkpoint that `state` lacks: another loss's checkpoint
+        (resumed with --allow-changed train.loss), one saved without EMA, or an older layout."""
+        missing = [k for k in ("epoch", "global_step", "nonfinite_streak", "tracker", "loss") if k not in state]
+        if self.ema is not None and state.get("ema") is None:
+            missing.append("EMA weights (train.ema.enabled)")
+        saved_loss = state.get("loss") if isinstance(state.get("loss"), dict) else {}
+        missing += [f"the {self.cfg.train.loss} loss's '{k}' state" for k in self.loss.state_dict() if k not in saved_loss]
+        partial = state.get("partial")
+        if partial is not None:
+            missing += [f"mid-epoch '{k}'" for k in self.PARTIAL_STATE if k not in partial]
+        return missing
+
     def load(self, path: Path) -> None:
         state, meta = self.ckpt.load(self.engine, path)
+        missing = self.missing_state(state)
+        if missing:  # resuming without them would diverge from the run that wrote the checkpoint, silently
+            raise ConfigError(f"--resume {path}: the checkpoint lacks {', '.join(missing)}, which this run needs "
+                              "to continue it exactly; resume with the recipe that wrote it, or start a new run")
         self.epoch, self.global_step = state["epoch"], state["global_step"]
         self.nonfinite_streak = state["nonfinite_streak"]
         self.tracker.load_state_dict(state["tracker"])
-        if self.ema is not None and state.get("ema") is not None:
+        if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
-        self.loss.load_state_dict(state.get("loss", {}))
+        self.loss.load_state_dict(state["loss"])
         self._partial = state.get("partial")
         if self.dist.is_main:
             within = f", after micro-step {self._partial['done']}" if self._partial is not None else ""
