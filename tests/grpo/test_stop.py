@@ -165,23 +165,19 @@ def _no_traceback(err: str) -> None:
     assert "Traceback" not in err, err[-4000:]
 
 
-def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
-    """The run directory on a 64 MiB tmpfs of its own (a private mount namespace); once a
-    checkpoint is published, the test fills the disk: the run ends naming the file it could not
-    write, and `latest` still names a checkpoint whose every file verifies."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    run_dir = disk / "run"
-    train = launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE)
-    script = ('mount -t tmpfs -o size=64m tmpfs "$1" || exit 99; disk=$1; shift; "$@"; rc=$?; '
-              f'{sys.executable} -c "{VERIFY_LATEST}" "$disk/run"; exit $rc')
-    shell = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", str(disk), *train], cwd=REPO,
+def _fill_the_disk_after(cmd: list[str], disk: Path, run_dir: Path, checkpoint: str, after: str = "",
+                         ) -> tuple[int, str, str]:
+    """Run `cmd` with `disk` a 64 MiB tmpfs of its own (a private mount namespace, so the host's
+    disk never fills); once `run_dir`'s `latest` reaches `checkpoint`, fill that disk to the last
+    byte. `after` runs in the namespace once `cmd` has ended. Returns (status, stdout, stderr)."""
+    script = f'mount -t tmpfs -o size=64m tmpfs "$1" || exit 99; shift; "$@"; rc=$?; {after} exit $rc'
+    shell = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", str(disk), *cmd], cwd=REPO,
                              env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     view = Path(f"/proc/{shell.pid}/root{run_dir}")  # the run directory as seen inside its namespace
     try:
-        _wait_for(lambda: _latest(view) >= "epoch_0001", shell, "checkpoint epoch_0001")
-        with open(view.parent / "filler", "wb") as fh:  # fill the run's disk to the last byte
+        _wait_for(lambda: _latest(view) >= checkpoint, shell, f"checkpoint {checkpoint}")
+        with open(view.parent / "filler", "wb") as fh:
             try:
                 while True:
                     fh.write(b"\0" * (1 << 20))
@@ -193,7 +189,20 @@ def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path)
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
             shell.communicate(timeout=30)
-    assert shell.returncode == 74, err[-4000:]
+    return shell.returncode, out, err
+
+
+def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """The run directory on a disk of its own that the test fills once a checkpoint is published:
+    the run ends naming the file it could not write, and `latest` still names a checkpoint whose
+    every file verifies."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "run"
+    train = launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE)
+    code, out, err = _fill_the_disk_after(train, disk, run_dir, "epoch_0001",
+                                          after=f'{sys.executable} -c "{VERIFY_LATEST}" "{run_dir}";')
+    assert code == 74, err[-4000:]
     assert "train: error: " in err and "no space left on device writing " + str(run_dir) in err, err[-4000:]
     _no_traceback(err)
     assert "VERIFIED epoch_" in out, (out[-2000:], err[-2000:])
@@ -209,26 +218,8 @@ def test_reward_sft_on_a_full_disk_names_a_file_of_its_run(tmp_path):
     sft = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/sft.py"),
            "--config", str(REPO / "configs/tiny/reward_sft.yaml"), "--set", f"output_dir={disk}",
            "--set", "train.num_epochs=200", "--set", "eval.at_start=false"]
-    script = 'mount -t tmpfs -o size=64m tmpfs "$1" || exit 99; shift; exec "$@"'
-    shell = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", str(disk), *sft], cwd=REPO,
-                             env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    view = Path(f"/proc/{shell.pid}/root{run_dir}")
-    try:
-        _wait_for(lambda: _latest(view) != "", shell, "the first SFT checkpoint")
-        with open(view.parent / "filler", "wb") as fh:
-            try:
-                while True:
-                    fh.write(b"\0" * (1 << 20))
-                    fh.flush()
-            except OSError:
-                pass
-        _, err = shell.communicate(timeout=240)
-    finally:
-        if shell.poll() is None:
-            os.killpg(shell.pid, signal.SIGKILL)
-            shell.communicate(timeout=30)
-    assert shell.returncode == 74, err[-4000:]
+    code, _, err = _fill_the_disk_after(sft, disk, run_dir, "step_")
+    assert code == 74, err[-4000:]
     assert "sft: error: " in err and "no space left on device writing " + str(run_dir) in err, err[-4000:]
     assert "site-packages" not in err.split("sft: error: ", 1)[1].splitlines()[0]
     _no_traceback(err)
