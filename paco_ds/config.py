@@ -363,11 +363,19 @@ class KernelsConfig(Section):
 
 
 class Recipe(Section):
-    """A top-level recipe (GRPO or reward SFT): where it came from, and the paths it implies.
-    Subclasses define `run_name` and `output_dir`."""
+    """A top-level recipe (GRPO or reward SFT): where it came from, its run's name, seed and
+    directory. Subclasses give `run_name` their own default."""
 
     # Where the recipe came from; paths inside it resolve against this directory.
     source: str | None = None
+    run_name: str = "run"
+    seed: int = Field(42, ge=0, lt=2 ** 32)  # numpy's seeds are 32-bit, non-negative
+    output_dir: str = "runs"
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_component(cls, v: str) -> str:
+        return check_run_name(v)
 
     def resolve_path(self, path: str) -> Path:
         """A path from the recipe: absolute, else relative to the recipe's directory, else the repo."""
@@ -387,14 +395,6 @@ class Recipe(Section):
 
 
 class Config(Recipe):
-    run_name: str = "run"
-
-    @field_validator("run_name")
-    @classmethod
-    def _one_component(cls, v: str) -> str:
-        return check_run_name(v)
-    seed: int = Field(42, ge=0, lt=2 ** 32)  # numpy's seeds are 32-bit, non-negative
-    output_dir: str = "runs"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     sample: SampleConfig = Field(default_factory=SampleConfig)

@@ -223,8 +223,7 @@ class AWM(Loss):
         super().load_epoch_state(state)
         self.visits = dict(state.get("visits", {}))
         if self.old is not None and state.get("old") is not None:
-            for s, x in zip(self.old.shadow, state["old"]):
-                s.copy_(x)
+            self.old.load_copies(state["old"], "the AWM old policy")
 
     def state_dict(self):
         return {"anchor": [s.cpu() for s in self.anchor.shadow]} if self.anchor is not None else {}
@@ -234,8 +233,5 @@ class AWM(Loss):
             return
         if "anchor" not in state:  # the trainer names what a checkpoint lacks before loading it
             raise KeyError("the AWM loss state has no 'anchor'")
-        if len(state["anchor"]) != len(self.anchor.shadow):
-            raise ValueError("the AWM anchor in the checkpoint does not match the trainable parameters")
-        for s, x in zip(self.anchor.shadow, state["anchor"]):
-            s.copy_(x)
+        self.anchor.load_copies(state["anchor"], "the AWM anchor")
 

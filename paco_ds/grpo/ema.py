@@ -32,6 +32,15 @@ class ShadowWeights:
         for s, p in zip(self.shadow, self.params):
             s.mul_(decay).add_(_local(p).float(), alpha=1 - decay)
 
+    @torch.no_grad()
+    def load_copies(self, saved: list[torch.Tensor], what: str) -> None:
+        """Restore the shadow from a checkpoint's copies (this rank's shards, in parameter order)."""
+        if len(saved) != len(self.shadow):
+            raise ValueError(f"{what} in the checkpoint does not match the trainable parameters "
+                             f"({len(saved)} tensors, {len(self.shadow)} here)")
+        for s, t in zip(self.shadow, saved):
+            s.copy_(t)
+
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """Temporarily load the shadow weights into the parameters."""
@@ -68,8 +77,5 @@ class EMA(ShadowWeights):
         return {"shadow": [s.cpu() for s in self.shadow], "num_updates": self.num_updates}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["shadow"]) != len(self.shadow):
-            raise ValueError("EMA state does not match the trainable parameters")
-        for s, t in zip(self.shadow, state["shadow"]):
-            s.copy_(t)
+        self.load_copies(state["shadow"], "the EMA")
         self.num_updates = state["num_updates"]

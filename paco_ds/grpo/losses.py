@@ -312,10 +312,7 @@ class NFT(Loss):
     def load_state_dict(self, state):
         if "old" not in state:  # the trainer names what a checkpoint lacks before loading it
             raise KeyError("the NFT loss state has no 'old' policy")
-        if len(state["old"]) != len(self.old.shadow):
-            raise ValueError("the old policy in the checkpoint does not match the trainable parameters")
-        for s, v in zip(self.old.shadow, state["old"]):
-            s.copy_(v)
+        self.old.load_copies(state["old"], "the NFT old policy")
 
 
 # train.loss -> "module:Class", imported when the loss is built: AWM lives in its own file, built on the

@@ -176,3 +176,45 @@ class Policy(ABC):
             yield
         finally:
             model.enable_adapters()
+
+
+class PackedPolicy(Policy):
+    """A policy whose transformer reads its latents as 2x2 patches (FLUX, SD3, Qwen-Image): image
+    sides are multiples of twice the VAE's downsampling, and a height x width image is
+    (h/2)(w/2) tokens of the h x w latent."""
+
+    vae_scale_factor: int
+
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        """The unpacked latent's size (both even, for the 2x2 packing)."""
+        f = self.size_multiple
+        if height % f or width % f:
+            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    def latent_seq_len(self, height: int, width: int) -> int:
+        """The generated image's tokens: they drive the time shift (an edit's condition tokens do not)."""
+        h, w = self.latent_hw(height, width)
+        return (h // 2) * (w // 2)
+
+    latent_channels: int
+
+    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
+        """One draw per sample from its own CPU generator, so a sample's noise does not depend on
+        the batch it lands in."""
+        h, w = self.latent_hw(height, width)
+        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
+        return self.pack(noise).to(self.device, self.dtype)
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack_2x2(latents)
+
+    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return unpack_2x2(latents, *self.latent_hw(height, width))
+
+
+def move_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move only when needed (diffusers warns on a no-op dtype cast)."""
+    p = next(module.parameters(), None)
+    if p is not None and (p.device != device or p.dtype != dtype):
+        module.to(device=device, dtype=dtype)

@@ -14,20 +14,13 @@ from torch import nn
 
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
-from paco_ds.models.base import Policy, TextEmbeds, pack_2x2, unpack_2x2
+from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
 
-def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Move only when needed (diffusers warns on a no-op dtype cast)."""
-    p = next(module.parameters(), None)
-    if p is not None and (p.device != device or p.dtype != dtype):
-        module.to(device=device, dtype=dtype)
-
-
-class FluxPolicy(Policy):
+class FluxPolicy(PackedPolicy):
     default_path = "black-forest-labs/FLUX.1-dev"
     # PaCo-RL's targets (scripts/train_flux.py in github.com/X-GenGroup/PaCo-RL): attention and MLP
     # of both streams of the double blocks; the names that also exist in single blocks match there.
@@ -53,7 +46,7 @@ class FluxPolicy(Policy):
             m.requires_grad_(False).eval()
         # The VAE decodes in fp32 on CPU and in the model dtype elsewhere; text encoders likewise.
         for m in (vae, text_encoder, text_encoder_2):
-            _move(m, device, dtype)
+            move_module(m, device, dtype)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -72,7 +65,7 @@ class FluxPolicy(Policy):
             parts = cls._from_pretrained(cfg.path, cfg.revision, dtype, ds_config=ds_config)
             max_len = cfg.max_sequence_length
         if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            _move(parts["transformer"], device, dtype)
+            move_module(parts["transformer"], device, dtype)
         return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
 
     @staticmethod
@@ -111,34 +104,12 @@ class FluxPolicy(Policy):
         return TextEmbeds(prompt_embeds=embeds.to(self.dtype), pooled=pooled.to(self.dtype))
 
     # ------------------------------------------------------------------ latents
-    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        """Unpacked latent size; divisible by 2 for the 2x2 packing."""
-        f = self.vae_scale_factor * 2
-        if height % f or width % f:
-            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
-    def latent_seq_len(self, height: int, width: int) -> int:
-        h, w = self.latent_hw(height, width)
-        return (h // 2) * (w // 2)
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        return pack_2x2(latents)
-
-    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        return unpack_2x2(latents, *self.latent_hw(height, width))
-
     def image_ids(self, height: int, width: int) -> torch.Tensor:
         h, w = self.latent_hw(height, width)
         ids = torch.zeros(h // 2, w // 2, 3)
         ids[..., 1] += torch.arange(h // 2)[:, None]
         ids[..., 2] += torch.arange(w // 2)[None, :]
         return ids.reshape(-1, 3).to(self.device, self.dtype)
-
-    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
-        h, w = self.latent_hw(height, width)
-        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
-        return self.pack(noise).to(self.device, self.dtype)
 
     # ------------------------------------------------------------------ transformer / VAE
     def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,

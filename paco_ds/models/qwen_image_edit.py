@@ -35,7 +35,7 @@ from torch import nn
 
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
-from paco_ds.models.base import Condition, Policy, TextEmbeds, pack_2x2, unpack_2x2
+from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig, calculate_mu
 
@@ -53,12 +53,6 @@ PROMPT_TEMPLATE = (
 VL_MULTIPLE = 28  # Qwen2-VL patch 14 x spatial merge 2
 
 
-def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    p = next(module.parameters(), None)
-    if p is not None and (p.device != device or p.dtype != dtype):
-        module.to(device=device, dtype=dtype)
-
-
 def _resize(image: torch.Tensor, height: int, width: int):
     """uint8 [3, H, W] -> an RGB PIL image of height x width (Lanczos, as diffusers' resize)."""
     from PIL import Image
@@ -67,7 +61,7 @@ def _resize(image: torch.Tensor, height: int, width: int):
     return pil if pil.size == (width, height) else pil.resize((width, height), Image.LANCZOS)
 
 
-class QwenEditPolicy(Policy):
+class QwenEditPolicy(PackedPolicy):
     default_path = DEFAULT_PATH
     # Attention and MLP of both streams in Qwen-Image's own names: its MLPs are img_mlp/txt_mlp,
     # so FLUX's ff/ff_context names would leave them without LoRA.
@@ -95,7 +89,7 @@ class QwenEditPolicy(Policy):
         self._warned_guidance = False
         for m in (vae, text_encoder):
             m.requires_grad_(False).eval()
-            _move(m, device, dtype)
+            move_module(m, device, dtype)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -110,7 +104,7 @@ class QwenEditPolicy(Policy):
         else:
             parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
         if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            _move(parts["transformer"], device, dtype)
+            move_module(parts["transformer"], device, dtype)
         return cls(device=device, dtype=dtype, **parts)
 
     @staticmethod
@@ -153,17 +147,6 @@ class QwenEditPolicy(Policy):
         return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).to(torch.float32)
 
     # ------------------------------------------------------------------ sizes and latents
-    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        f = self.size_multiple
-        if height % f or width % f:
-            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
-    def latent_seq_len(self, height: int, width: int) -> int:
-        """The target's tokens: they drive the time shift (the condition's do not)."""
-        h, w = self.latent_hw(height, width)
-        return (h // 2) * (w // 2)
-
     def condition_size(self, ref_height: int, ref_width: int, height: int, width: int) -> tuple[int, int]:
         """Where a reference is encoded for a height x width target: the target itself when it has
         the reference's aspect ratio up to rounding each side to `size_multiple` (targets derived
@@ -180,22 +163,11 @@ class QwenEditPolicy(Policy):
         return (max(VL_MULTIPLE, round(height / VL_MULTIPLE) * VL_MULTIPLE),
                 max(VL_MULTIPLE, round(width / VL_MULTIPLE) * VL_MULTIPLE))
 
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        return pack_2x2(latents)
-
-    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        return unpack_2x2(latents, *self.latent_hw(height, width))
-
     def _latent_stats(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (1, self.latent_channels, 1, 1, 1)
         mean = torch.tensor(self.vae.config.latents_mean).view(shape).to(self.device, dtype)
         std = torch.tensor(self.vae.config.latents_std).view(shape).to(self.device, dtype)
         return mean, std
-
-    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
-        h, w = self.latent_hw(height, width)
-        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
-        return self.pack(noise).to(self.device, self.dtype)
 
     # ------------------------------------------------------------------ condition and prompts
     @torch.no_grad()

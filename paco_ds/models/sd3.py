@@ -36,19 +36,13 @@ from torch import nn
 
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
-from paco_ds.models.base import Policy, TextEmbeds, pack_2x2, unpack_2x2
+from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
 
 CLIP_MAX_LENGTH = 77
-
-
-def _move(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    p = next(module.parameters(), None)
-    if p is not None and (p.device != device or p.dtype != dtype):
-        module.to(device=device, dtype=dtype)
 
 
 def sd3_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -63,7 +57,7 @@ def sd3_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) ->
     return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
 
 
-class SD3Policy(Policy):
+class SD3Policy(PackedPolicy):
     default_path = "stabilityai/stable-diffusion-3.5-medium"
     # Flow-GRPO's LoRA targets for SD3.5 (scripts/train_sd3.py): the joint attention's projections of
     # both streams. As peft suffixes they match `attn.*` only, not SD3.5-M's second image
@@ -93,9 +87,9 @@ class SD3Policy(Policy):
         self.latent_channels = vae.config.latent_channels
         for m in (vae, text_encoder, text_encoder_2, text_encoder_3):
             m.requires_grad_(False).eval()
-        _move(vae, device, torch.float32)
+        move_module(vae, device, torch.float32)
         for m in (text_encoder, text_encoder_2, text_encoder_3):
-            _move(m, device, dtype)
+            move_module(m, device, dtype)
         # The negative prompt of classifier-free guidance, encoded once (kept on the CPU; a copy on
         # the device is made once, not at every forward).
         self.negative = self.encode_prompts([""]).to("cpu")
@@ -116,7 +110,7 @@ class SD3Policy(Policy):
             parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
             max_len = cfg.max_sequence_length
         if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            _move(parts["transformer"], device, dtype)
+            move_module(parts["transformer"], device, dtype)
         return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
 
     @staticmethod
@@ -179,27 +173,6 @@ class SD3Policy(Policy):
     # ------------------------------------------------------------------ schedule and latents
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return sd3_sigmas(num_steps, self.shift.shift, self.num_train_timesteps)
-
-    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
-        f = self.size_multiple
-        if height % f or width % f:
-            raise ValueError(f"image size {height}x{width} must be a multiple of {f}")
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
-    def latent_seq_len(self, height: int, width: int) -> int:
-        h, w = self.latent_hw(height, width)
-        return (h // 2) * (w // 2)
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        return pack_2x2(latents)
-
-    def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        return unpack_2x2(latents, *self.latent_hw(height, width))
-
-    def initial_latents(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> torch.Tensor:
-        h, w = self.latent_hw(height, width)
-        noise = torch.stack([torch.randn(self.latent_channels, h, w, generator=g) for g in generators])
-        return self.pack(noise).to(self.device, self.dtype)
 
     # ------------------------------------------------------------------ transformer / VAE
     def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Hashable, Sequence
 
 import openai
 
@@ -91,6 +91,23 @@ class ChatClient:
                 if self._closing and not self._loop.is_running():
                     fut.cancel()
                     raise concurrent.futures.CancelledError(f"{self.where}: the client is closed") from None
+
+    def answers(self, requests: dict[Hashable, Awaitable], parse: Callable[[Any], Any]) -> dict[Hashable, Any]:
+        """Each request's answer through `parse`, the requests run concurrently; a request that failed
+        after its retries, or whose answer `parse` refuses (ValueError: an answer that makes no
+        sense), maps to a RewardError naming this server. It is a failure, never a score."""
+        out: dict[Hashable, Any] = {}
+        for key, res in zip(requests, self.run(list(requests.values()), return_exceptions=True) if requests else []):
+            if isinstance(res, RewardError):
+                out[key] = res
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                try:
+                    out[key] = parse(res)
+                except ValueError as err:
+                    out[key] = RewardError(f"{self.where}: invalid answer: {err}")
+        return out
 
     async def _with_retries(self, what: str, call: Callable[[float], Awaitable[Any]], timed: bool = True) -> Any:
         """`timed`: the answered attempt's latency goes to take_latencies() (scoring requests)."""

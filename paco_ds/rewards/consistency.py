@@ -131,23 +131,15 @@ class RemoteJudge(Reward):
                 uris[id(im)] = data_uri(im, self.image_format, self.jpeg_quality)
             return uris[id(im)]
 
-        coros = [self.client.first_token_logprobs(
+        requests = {key: self.client.first_token_logprobs(
             [*({"type": "image_url", "image_url": {"url": uri(im)}} for im in images), {"type": "text", "text": text}],
-            self.top_logprobs) for images, text in todo.values()]
+            self.top_logprobs) for key, (images, text) in todo.items()}
         with self._count_lock:
-            self.requests += len(coros)
-        for key, res in zip(todo, self.client.run(coros, return_exceptions=True) if coros else []):
-            if isinstance(res, RewardError):
-                out[key] = res
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                try:
-                    out[key] = yes_probability(res, self.canonicalize)
-                except ValueError as err:  # an answer that makes no sense is a failure, never a score
-                    out[key] = RewardError(f"{self.client.where}: invalid answer: {err}")
-                    continue
-                self.cache.put((self.client.model, key), out[key])
+            self.requests += len(requests)
+        for key, value in self.client.answers(requests, lambda res: yes_probability(res, self.canonicalize)).items():
+            out[key] = value
+            if not isinstance(value, RewardError):
+                self.cache.put((self.client.model, key), value)
         return out
 
     def _finish(self, scores: list[float], errors: list[RewardError | None],

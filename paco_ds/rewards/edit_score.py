@@ -175,28 +175,25 @@ class EditScore(Reward):
                 uris[id(im)] = data_uri(im, self.image_format, self.jpeg_quality)
             return uris[id(im)]
 
-        coros = [self.client.reply([{"type": "text", "text": text},
-                                    *({"type": "image_url", "image_url": {"url": uri(im)}} for im in images)],
-                                   self.max_tokens, self.temperature, self.top_p) for images, text in todo.values()]
+        requests = {key: self.client.reply([{"type": "text", "text": text},
+                                            *({"type": "image_url", "image_url": {"url": uri(im)}} for im in images)],
+                                           self.max_tokens, self.temperature, self.top_p)
+                    for key, (images, text) in todo.items()}
         with self._count_lock:
-            self.requests += len(coros)
-        for key, res in zip(todo, self.client.run(coros, return_exceptions=True) if coros else []):
-            if isinstance(res, RewardError):
-                out[key] = res
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                try:
-                    out[key] = parse_scores(res, self.score_range)
-                except ValueError as err:
-                    with self._count_lock:
-                        self.unparsed += 1
-                    snippet = " ".join(res.split())[:120]
-                    out[key] = RewardError(f"the judge's reply does not parse ({err}): {snippet!r}")
-                    continue
-                if self.cache is not None:
-                    self.cache.put((self.client.model, key), out[key])
+            self.requests += len(requests)
+        for key, value in self.client.answers(requests, self._parse).items():
+            out[key] = value
+            if self.cache is not None and not isinstance(value, RewardError):
+                self.cache.put((self.client.model, key), value)
         return out
+
+    def _parse(self, reply: str):
+        try:
+            return parse_scores(reply, self.score_range)
+        except ValueError as err:
+            with self._count_lock:
+                self.unparsed += 1
+            raise ValueError(f"the judge's reply does not parse ({err}): {' '.join(reply.split())[:120]!r}") from None
 
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
         refs = reference_images(ref_images, len(images), self.name)

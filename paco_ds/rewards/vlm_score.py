@@ -206,28 +206,18 @@ class VlmScore(Reward):
                     {"type": "text", "text": text}]
 
         if self.mode == "text":
-            coros = [self.client.answer(content(im, text), self.max_tokens) for im, text in todo.values()]
+            requests = {key: self.client.answer(content(im, text), self.max_tokens) for key, (im, text) in todo.items()}
+            parse = lambda res: parse_score(res, self.t.pattern, self.t.scale, self.t.valid)  # noqa: E731
         else:
-            coros = [self.client.first_token_logprobs(content(im, text), self.top_logprobs)
-                     for im, text in todo.values()]
+            requests = {key: self.client.first_token_logprobs(content(im, text), self.top_logprobs)
+                        for key, (im, text) in todo.items()}
+            parse = lambda res: expected_level(res, self.t.levels, self.t.scale)  # noqa: E731
         with self._count_lock:
-            self.requests += len(coros)
-        answers: dict = {}
-        for key, res in zip(todo, self.client.run(coros, return_exceptions=True) if coros else []):
-            if isinstance(res, RewardError):
-                answers[key] = res
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                try:
-                    value = (parse_score(res, self.t.pattern, self.t.scale, self.t.valid) if self.mode == "text"
-                             else expected_level(res, self.t.levels, self.t.scale))
-                except ValueError as err:  # an answer that makes no sense is a failure, never a score
-                    answers[key] = RewardError(f"{self.client.where}: invalid answer: {err}")
-                    continue
-                answers[key] = value
-                if math.isfinite(value):
-                    self.cache.put(key, value)  # an unparsed answer is asked again next time
+            self.requests += len(requests)
+        answers = self.client.answers(requests, parse)
+        for key, value in answers.items():
+            if not isinstance(value, RewardError) and math.isfinite(value):
+                self.cache.put(key, value)  # an unparsed answer is asked again next time
         scores, errors = [], []
         for key in keys:
             value = answers[key] if key in answers else self.cache.get(key)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section, check_run_name
+from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section
 from paco_ds.recipe import load_recipe
 
 QWEN_2_5_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -115,13 +115,6 @@ class SFTLoggingConfig(Section):
 
 class SFTConfig(Recipe):
     run_name: str = "paco_reward_sft"
-
-    @field_validator("run_name")
-    @classmethod
-    def _one_component(cls, v: str) -> str:
-        return check_run_name(v)
-    seed: int = 42
-    output_dir: str = "runs"
     model: SFTModelConfig = Field(default_factory=SFTModelConfig)
     lora: SFTLoraConfig = Field(default_factory=SFTLoraConfig)
     data: SFTDataConfig

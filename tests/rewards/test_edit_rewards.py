@@ -125,7 +125,7 @@ def test_unparsable_tiny_judge_replies_raise_or_mask_in_the_runner(server):
         assert reward.requests == 4 and reward.unparsed == 4  # 2 per sample; random weights write no JSON
         assert not res.valid.any() and np.isnan(res.scores).all() and runners["mask"].failures == 2
         assert np.isnan(part_scores({"edit_score": res})["edit_score/sc"]).all()
-        with pytest.raises(RewardError, match="edit_score: 2 of 2 samples failed: the judge's reply does not parse"):
+        with pytest.raises(RewardError, match="edit_score: 2 of 2 samples failed: reward server .*: invalid answer: the judge's reply does not parse"):
             runners["raise"].score(edits, ["add a hat", "remove the tree"], [{}, {}], refs)
     finally:
         for runner in runners.values():
