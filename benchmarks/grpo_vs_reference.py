@@ -247,6 +247,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
 
     import kernels
     from paco_ds.data import PromptItem
+    from paco_ds.grpo.rollouts import Pick
     from paco_ds.sampling.rollout import gather_samples, transition_log_prob
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_a"]
@@ -260,7 +261,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
     trajs = []
     with counters.counting(f"{variant}/sample"), rollouts.module() as module:
         for b0 in range(0, len(ctx["picks"]), args.batch_size):
-            picks = [(PromptItem(p), g, pos) for p, g, pos in ctx["picks"][b0:b0 + args.batch_size]]
+            picks = [Pick(PromptItem(p), g, pos) for p, g, pos in ctx["picks"][b0:b0 + args.batch_size]]
             traj = rollouts.sample(module, picks, ctx["h"], ctx["w"], epoch=rep)
             runner.submit(traj.images, traj.prompts, traj.metadata)
             trajs.append(traj)

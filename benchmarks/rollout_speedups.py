@@ -51,7 +51,7 @@ def sampling(args) -> dict:
     from paco_ds.data import PromptItem
     from paco_ds.grpo.losses import RolloutNeeds
     from paco_ds.grpo.plan import load_config
-    from paco_ds.grpo.rollouts import Rollouts
+    from paco_ds.grpo.rollouts import Pick, Rollouts
 
     device = torch.device(args.device)
     policy = load_policy(args, device)
@@ -61,7 +61,8 @@ def sampling(args) -> dict:
     cfgs = {name: load_config(REPO / "configs" / "flux_t2is.yaml", common + sets) for name, sets in VARIANTS.items()}
     items = [PromptItem(p) for p in PROMPTS]
     groups = args.images // args.group_size
-    picks = [(items[g % len(items)], g, g * args.group_size + j) for g in range(groups) for j in range(args.group_size)]
+    picks = [Pick(items[g % len(items)], g, g * args.group_size + j) for g in range(groups)
+             for j in range(args.group_size)]
     times = {name: [] for name in VARIANTS}
     calls, images = {}, {}
     for rep in range(args.repeats):

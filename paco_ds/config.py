@@ -10,7 +10,7 @@ world_size)` in paco_ds/grpo/plan.py computes them from the real world size at r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -170,21 +170,6 @@ class TrainConfig(Section):
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
 
-    # Renamed keys: an old spelling is refused naming the new one rather than silently ignored.
-    # `beta` alone read as the KL weight next to train.nft.beta, NFT's implicit-policy strength;
-    # PPO-clip's keys moved into its own section.
-    RENAMED: ClassVar[dict[str, str]] = {"beta": "kl_beta", "clip_range": "ppo.clip_range",
-                                         "ratio_norm": "ppo.ratio_norm"}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_keys(cls, data):
-        if isinstance(data, dict):
-            for old, new in cls.RENAMED.items():
-                if old in data:
-                    raise ValueError(f"train.{old} is now train.{new}")
-        return data
-
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str, info: ValidationInfo) -> str:
@@ -197,8 +182,8 @@ class TrainConfig(Section):
         return section if isinstance(section, LossSection) else None
 
 
-class TestConfig(Section):
-    __test__ = False  # not a pytest class
+class EvalConfig(Section):
+    """The recipe's `test:` section: how and how often the policy is evaluated on the test prompts."""
     resolution: int = Field(1024, gt=0)
     num_steps: int = Field(20, ge=1)
     batch_size: int = Field(5, ge=1)
@@ -399,7 +384,7 @@ class Config(Recipe):
     data: DataConfig
     sample: SampleConfig = Field(default_factory=SampleConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    test: TestConfig = Field(default_factory=TestConfig)
+    test: EvalConfig = Field(default_factory=EvalConfig)
     rewards: RewardsConfig
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     deepspeed: RolloutDeepSpeedSection = Field(default_factory=RolloutDeepSpeedSection)

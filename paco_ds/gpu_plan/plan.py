@@ -16,7 +16,6 @@ transformer of the sampling phase (`deepspeed.rollout_gather: once`), and the en
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -148,7 +147,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
     from paco_ds.grpo.losses import build_loss
     from paco_ds.grpo.plan import derive
-    from paco_ds.grpo.rollouts import Rollouts
+    from paco_ds.grpo.rollouts import Pick, Rollouts
     from paco_ds.models import policy_class
     from paco_ds.models.lora import add_lora
     from paco_ds.sampling.rollout import training_batch
@@ -209,11 +208,11 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     from paco_ds.data import load_prompts
 
     items = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
-    picks = [(it, i, i) for i, it in enumerate(items)]
+    picks = [Pick(it, i, i) for i, it in enumerate(items)]
     groups = rollouts.by_size(picks, cfg.train.resolution)
     (h, w), group = max(groups, key=lambda g: g[0][0] * g[0][1])  # the largest images of the data
     bs = cfg.sample.batch_size
-    batch_picks = [(group[j % len(group)][0], group[j % len(group)][1], j) for j in range(bs)]
+    batch_picks = [group[j % len(group)]._replace(position=j) for j in range(bs)]
 
     from paco_ds.gpu_plan.rewards import local_rewards
 
@@ -339,9 +338,6 @@ def _park_text_encoders(mode, policy) -> None:
     module cannot `.to()` itself: torch swaps subclass parameters, which fake ones refuse)."""
     from paco_ds.gpu_plan.fake import move_fake
 
-    park = getattr(type(policy), "park_text_encoders", None)
-    if park is None:
-        return
     for m in policy.text_encoders():
         move_fake(mode, m, torch.device("cpu"))
 

@@ -13,11 +13,10 @@ from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
 
 
 def reward_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the reward classes keep their models in on `device` (their own rule when they have one)."""
-    from paco_ds.rewards import base
+    """The dtype the reward classes keep their models in on `device` (their own rule)."""
+    from paco_ds.rewards.base import model_dtype
 
-    rule = getattr(base, "model_dtype", None)
-    return rule(device) if rule is not None else torch.float32
+    return model_dtype(device)
 
 
 def local_rewards(cfg: Config, mode: FakeCuda):

@@ -19,7 +19,7 @@ from paco_ds import stopping
 from paco_ds.config import Config
 from paco_ds.data import PromptItem
 from paco_ds.distributed import DistInfo, all_gather_object
-from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.grpo.rollouts import Pick, Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.rewards.runner import RewardRunner
 
@@ -44,12 +44,12 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
             if stopping.saving_requested():  # preempted: no more batches; the trainer's next check saves
                 break
             chunk = mine[start:start + cfg.test.batch_size]
-            for (h, w), picks in rollouts.by_size([(it, i, i) for i, it in chunk], cfg.test.resolution):
+            for (h, w), picks in rollouts.by_size([Pick(it, i, i) for i, it in chunk], cfg.test.resolution):
                 traj = rollouts.sample_test(module, picks, h, w)
                 refs = rollouts.references(traj)
                 # scored while the next batch samples, as in training; collected once below
                 rewards.submit(traj.images, traj.prompts, traj.metadata, refs)
-                for j, (_, i, _) in enumerate(picks):
+                for j, i in enumerate(p.group for p in picks):
                     scored.append((i, (h, w)))
                     if i < n_show:  # an edit is shown beside its reference
                         shown.append((i, [refs[j]] if refs else [], to_pil(traj.images[j][None])[0]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -25,7 +25,13 @@ from paco_ds.sampling.rollout import Trajectory, make_generator, ode_prefix, sam
 from paco_ds.sampling.solver import plan_for
 from paco_ds.sampling.window import rollout_steps
 
-Pick = tuple[PromptItem, int, int]  # (item, prompt group id, position)
+class Pick(NamedTuple):
+    """One sample to draw: its prompt, its GRPO group (the prompt's index; the seed of an
+    evaluation image) and its position in the epoch (the seed of its noise)."""
+
+    item: PromptItem
+    group: int
+    position: int
 
 
 class Rollouts:
@@ -70,7 +76,7 @@ class Rollouts:
         An item's own height/width win; an edit's size keeps its reference's aspect ratio."""
         groups: dict[tuple[int, int], list] = {}
         for p in picks:
-            item = p[0]
+            item = p.item
             if item.height or item.width or item.image is None:
                 size = item.size(resolution)
             else:
@@ -88,13 +94,13 @@ class Rollouts:
         """One training rollout batch: the recipe's noise steps (or SDE window), log pi_old of the
         trained steps and what the loss needs; latents and noise keyed by (seed, epoch, position)."""
         cfg, seed = self.cfg, self.cfg.seed
-        prompts = [it.prompt for it, _, _ in picks]
-        latent_keys = [(gid if cfg.sample.same_latent else f"p{pos}") for _, gid, pos in picks]
+        prompts = [p.item.prompt for p in picks]
+        latent_keys = [(p.group if cfg.sample.same_latent else f"p{p.position}") for p in picks]
         x0 = self.policy.initial_latents(len(picks), h, w,
                                          [make_generator(seed, "latent", epoch, k) for k in latent_keys])
-        condition = self.condition([it for it, _, _ in picks], h, w)
+        condition = self.condition([p.item for p in picks], h, w)
         embeds = self.policy.encode_prompts(prompts, condition)
-        noise_steps, train_steps = rollout_steps(cfg, epoch, [gid for _, gid, _ in picks], self.train_timesteps)
+        noise_steps, train_steps = rollout_steps(cfg, epoch, [p.group for p in picks], self.train_timesteps)
         start = 0
         if self.share_prefix:
             x0, start = self._shared_prefix(module, picks, h, w, epoch, x0, embeds, condition, noise_steps)
@@ -103,10 +109,10 @@ class Rollouts:
             self.policy, module, prompts, embeds, h, w, condition=condition,
             num_steps=cfg.sample.num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
             noise_steps=noise_steps, train_steps=train_steps if self.needs.log_probs else [],
-            generators=[make_generator(seed, "noise", epoch, pos) for _, _, pos in picks], initial_latents=x0,
+            generators=[make_generator(seed, "noise", epoch, p.position) for p in picks], initial_latents=x0,
             sde_type=cfg.sample.sde_type, sde_fn=self.sde, keep_final=self.needs.clean_latents,
-            keep_mean=self.needs.mean_old, metadata=[it.metadata for it, _, _ in picks],
-            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks], plan=self.plan, start=start)
+            keep_mean=self.needs.mean_old, metadata=[p.item.metadata for p in picks],
+            positions=[p.position for p in picks], group_ids=[p.group for p in picks], plan=self.plan, start=start)
 
     def _shared_prefix(self, module, picks: list[Pick], h: int, w: int, epoch: int, x0: torch.Tensor, embeds,
                        condition, noise_steps) -> tuple[torch.Tensor, int]:
@@ -125,7 +131,7 @@ class Rollouts:
         start = min(first)
         if start == 0:
             return x0, 0
-        keys = [(gid, h, w) for _, gid, _ in picks]
+        keys = [(p.group, h, w) for p in picks]
         todo = {}  # group key -> the batch row that walks its prefix
         for r, key in enumerate(keys):
             if key not in self._prefixes:
@@ -144,14 +150,14 @@ class Rollouts:
         """One evaluation batch: ODE steps (test.num_steps), noise from a generator per prompt
         index (the pick's group id), so an image does not depend on the rank that samples it."""
         cfg = self.cfg
-        prompts = [it.prompt for it, _, _ in picks]
-        condition = self.condition([it for it, _, _ in picks], h, w)
+        prompts = [p.item.prompt for p in picks]
+        condition = self.condition([p.item for p in picks], h, w)
         return sample_trajectories(
             self.policy, module, prompts, self.policy.encode_prompts(prompts, condition), h, w,
             num_steps=cfg.test.num_steps, guidance=cfg.sample.guidance_scale, noise_level=0.0, noise_steps=[],
-            train_steps=[], generators=[make_generator(cfg.seed, "eval", i) for _, i, _ in picks], sde_fn=self.sde,
-            condition=condition, metadata=[it.metadata for it, _, _ in picks],
-            positions=[pos for _, _, pos in picks], group_ids=[gid for _, gid, _ in picks])
+            train_steps=[], generators=[make_generator(cfg.seed, "eval", p.group) for p in picks], sde_fn=self.sde,
+            condition=condition, metadata=[p.item.metadata for p in picks],
+            positions=[p.position for p in picks], group_ids=[p.group for p in picks])
 
     @staticmethod
     def references(traj: Trajectory):

@@ -41,7 +41,7 @@ from paco_ds.grpo.advantages import StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
-from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.grpo.rollouts import Pick, Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.models import build_policy
@@ -270,7 +270,7 @@ class GRPOTrainer:
         calls = self.rollouts.transformer_calls
         with self.loss.sampling(), self.rollouts.module() as module:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
-                picks = [(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)]
+                picks = [Pick(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)]
                 for (h, w), picks in self.rollouts.by_size(picks, cfg.train.resolution):
                     traj = self.rollouts.sample(module, picks, h, w, self.epoch)
                     # scores while we sample on; editing rewards compare against the original references

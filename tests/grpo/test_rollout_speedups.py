@@ -8,7 +8,7 @@ from conftest import REPO, TINY, run_cli
 from paco_ds.data import PromptItem
 from paco_ds.grpo.losses import RolloutNeeds
 from paco_ds.grpo.plan import load_config
-from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.grpo.rollouts import Pick, Rollouts
 from paco_ds.sampling.rollout import transition_log_prob
 from paco_ds.sampling.solver import Step, multistep_velocity, ode_stretches, step_plan
 
@@ -62,7 +62,7 @@ def test_ab2_is_exact_where_euler_is_not():
 # ------------------------------------------------------------------------------------ rollouts
 def picks_of(groups: list[int], k: int):
     items = [PromptItem(prompt) for prompt in ("a red fox in snow", "two cups of tea", "a lighthouse at dusk")]
-    return [(items[g], g, g * k + j) for g in groups for j in range(k)]
+    return [Pick(items[g], g, g * k + j) for g in groups for j in range(k)]
 
 
 def rollouts(policy, cfg, **kwargs):
