@@ -103,3 +103,14 @@ def gathered_for_phase(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         finally:
             for p in params:
                 p.ds_active_sub_modules.discard(_PINNED)
+
+
+def recipe_zero_stage(cfg) -> int:
+    """The ZeRO stage a run of this recipe uses: deepspeed.zero_stage, else its overrides', else the
+    DeepSpeed config file's (as build_ds_config merges them)."""
+    if cfg.deepspeed.zero_stage is not None:
+        return cfg.deepspeed.zero_stage
+    stage = cfg.deepspeed.overrides.get("zero_optimization", {}).get("stage")
+    if stage is None:
+        stage = load_ds_config(cfg.resolve_path(cfg.deepspeed.config)).get("zero_optimization", {}).get("stage", 0)
+    return int(stage)

@@ -93,6 +93,11 @@ def test_layers():
     tiny = {m for m in graph if m.startswith("paco_ds.models.tiny")}
     assert {"paco_ds.models.tiny", "paco_ds.models.tiny.flux", "paco_ds.models.tiny.sd3"} <= tiny
     assert not {d for m in tiny for d in graph[m] if d.startswith("paco_ds.models") and d not in tiny}
+    # Serving sits above the models (its engine loads them), never below: the tiny judge's shape,
+    # which both read, is paco_ds/tiny_judge.py beneath both.
+    assert not {d for m, deps in graph.items() if m.startswith("paco_ds.models") for d in deps
+                if d.startswith("paco_ds.serving")}
+    assert graph["paco_ds.tiny_judge"] == set()
     # The image helpers are the ground floor: nothing from paco_ds, and rewards reach no sampling code.
     assert not {d for d in graph["paco_ds.images"] if d.startswith("paco_ds")}
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps

@@ -104,19 +104,6 @@ def check_recipe(cfg: Config, world_size: int) -> tuple[EpochPlan, int, int | No
     return plan, len(train), (len(test) if test is not None else None)
 
 
-def recipe_zero_stage(cfg: Config) -> int:
-    """The ZeRO stage a run of this recipe uses: deepspeed.zero_stage, else its overrides', else the
-    DeepSpeed config file's (as paco_ds/engine.py build_ds_config merges them)."""
-    from paco_ds.engine import load_ds_config
-
-    if cfg.deepspeed.zero_stage is not None:
-        return cfg.deepspeed.zero_stage
-    stage = cfg.deepspeed.overrides.get("zero_optimization", {}).get("stage")
-    if stage is None:
-        stage = load_ds_config(cfg.resolve_path(cfg.deepspeed.config)).get("zero_optimization", {}).get("stage", 0)
-    return int(stage)
-
-
 def rollout_line(cfg: Config) -> str:
     """How a training rollout walks its steps: transformer calls per image, and what saves some."""
     from paco_ds.sampling.solver import ode_stretches, plan_for
@@ -127,6 +114,8 @@ def rollout_line(cfg: Config) -> str:
         out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
     head = ode_stretches(cfg)[:1]
     if s.same_latent and s.share_prefix and head and head[0][0] == 0:
+        from paco_ds.engine import recipe_zero_stage
+
         if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
             # the trainer turns the sharing off there: each step gathers its own parameters (trainer.py)
             out += "; sample.share_prefix is off under deepspeed.rollout_gather: per_step (ZeRO-3)"

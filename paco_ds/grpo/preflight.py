@@ -129,6 +129,34 @@ def check_writable(path: Path, key: str = "output_dir") -> None:
         raise ConfigError(f"config key '{key}': {path} is not writable")
 
 
+def check_lora_targets(cfg: Config) -> None:
+    """model.lora.target_modules against the family's transformer, built on the meta device (no
+    weights, well under a second at full size): a target that matches nothing is one line now,
+    not after the models are loaded. The module names are the architecture's, whatever its size."""
+    from paco_ds.models import POLICIES, policy_class
+
+    targets = cfg.model.lora.target_modules
+    if cfg.model.lora.path or not targets or cfg.model.family not in POLICIES:
+        return  # a saved adapter brings its own targets; a policy outside paco_ds is checked at build
+    if set(targets) <= set(policy_class(cfg.model.family).lora_targets):
+        return  # the family's own (tests/models/test_family_defaults.py): no build needed (about 4 s)
+    from paco_ds.gpu_plan.models import transformer_for
+    from paco_ds.models.lora import check_targets
+
+    check_targets(cfg.model.lora.target_modules, transformer_for(cfg.model.family))
+
+
+def check_compile(cfg: Config) -> None:
+    """model.compile under ZeRO-3 (paco_ds/models/compile.py says why it cannot run)."""
+    if not cfg.model.compile:
+        return
+    from paco_ds.engine import recipe_zero_stage
+    from paco_ds.models.compile import ZERO3_REFUSAL
+
+    if recipe_zero_stage(cfg) == 3:
+        raise ConfigError(ZERO3_REFUSAL)
+
+
 def check_deepspeed_config(cfg: Config) -> None:
     from paco_ds.engine import load_ds_config
 
@@ -147,4 +175,6 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
 
         check_lora_file(cfg.model.lora.path, "config key 'model.lora.path':")
     check_deepspeed_config(cfg)
+    check_compile(cfg)
+    check_lora_targets(cfg)
     check_writable(cfg.run_dir, "output_dir")

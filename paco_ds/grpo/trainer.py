@@ -45,7 +45,7 @@ from paco_ds.grpo.rollouts import Pick, Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.models import build_policy
-from paco_ds.models.compile import ZERO3_REFUSAL, compile_blocks
+from paco_ds.models.compile import compile_blocks
 from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import RewardRunner, part_scores
@@ -106,8 +106,6 @@ class GRPOTrainer:
             grad_accum=self.plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,
             bf16=resolve_dtype(cfg.model.dtype, dist.device) == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage,
             overrides=cfg.deepspeed.overrides)
-        if cfg.model.compile and zero_stage(self.ds_config) == 3:
-            raise ConfigError(ZERO3_REFUSAL)
         self.policy = build_policy(cfg.model, dist.device, self.ds_config)
         add_lora(self.policy.transformer, cfg.model.lora)
         if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time

@@ -55,6 +55,18 @@ def check_lora_file(path: str | Path, key: str) -> Path:
     return file
 
 
+def check_targets(targets: list[str], transformer: nn.Module) -> None:
+    """Every configured target must match a module of `transformer`, by peft's rule (the name, or
+    a suffix after a dot): one that matches nothing would silently leave those layers untrained
+    (another family's module names, a typo)."""
+    names = [name for name, _ in transformer.named_modules() if name]
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2, 3)}
+            raise ConfigError(f"config key 'model.lora.target_modules': '{t}' matches no module of the "
+                              f"{type(transformer).__name__}{suggest(t, suffixes)}")
+
+
 def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Freeze the base and attach a LoRA adapter (or load the one at `cfg.path`)."""
     from peft import LoraConfig as PeftLoraConfig
@@ -72,14 +84,7 @@ def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
     if cfg.target_modules is None:
         raise ValueError("model.lora.target_modules is unset: fill in the family's own first "
                          "(paco_ds.models.with_family_defaults)")
-    names = [name for name, _ in transformer.named_modules() if name]
-    # A target that matches nothing would silently leave those layers untrained (another family's
-    # module names, a typo), so every configured target must match, by peft's rule.
-    for t in cfg.target_modules:
-        if not any(n == t or n.endswith("." + t) for n in names):
-            suffixes = {".".join(n.split(".")[-k:]) for n in names for k in (1, 2, 3)}
-            raise ConfigError(f"config key 'model.lora.target_modules': '{t}' matches no module of the "
-                              f"{type(transformer).__name__}{suggest(t, suffixes)}")
+    check_targets(cfg.target_modules, transformer)
     transformer.add_adapter(PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                            init_lora_weights=True if cfg.init == "default" else cfg.init,
                                            target_modules=list(cfg.target_modules)), adapter_name=ADAPTER)

@@ -110,7 +110,7 @@ def judge_vocab_size(model: ServedModel) -> int | None:
     known before anything loads: the tiny judge's, or `vocab_size` in a local checkpoint's
     config.json. None for a hub id (nothing is downloaded to find out)."""
     if model.tiny:
-        from paco_ds.serving.tiny_judge import TINY_JUDGE_VOCAB_SIZE
+        from paco_ds.tiny_judge import TINY_JUDGE_VOCAB_SIZE
 
         return TINY_JUDGE_VOCAB_SIZE
     config = Path(model.path).expanduser() / "config.json"

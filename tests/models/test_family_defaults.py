@@ -95,3 +95,12 @@ def test_a_target_that_matches_no_module_names_the_key(tiny_policy):
         add_lora(transformer, LoraConfig(target_modules=["attn.to_q", "img_mlp.net.2"]))
 
 
+@pytest.mark.parametrize("family, recipe", [("flux", "t2is"), ("sd3", "sd3_pickscore"), ("qwen_image_edit", "qwen_edit")])
+def test_a_target_that_matches_no_module_is_one_line_in_the_dry_run(tmp_path, family, recipe):
+    """Checked against the family's transformer built on the meta device, before any model loads."""
+    from conftest import one_line_error
+
+    line = one_line_error(run_cli("launch/train.py", "--config", str(REPO / f"configs/tiny/{recipe}.yaml"), "--dry-run",
+                                  "--set", f"output_dir={tmp_path}", "--set", "model.lora.target_modules=[to_qq]"))
+    assert "config key 'model.lora.target_modules': 'to_qq' matches no module of the" in line, line
+    assert line.endswith("(did you mean 'to_q'?)"), line
