@@ -79,10 +79,11 @@ class GenEval(Reward):
 
     def __init__(self, base_url: str = "http://127.0.0.1:18085", batch_size: Count = 64, only_strict: bool = True,
                  jpeg_quality: JpegQuality = 75, timeout: Seconds = 120.0, retry_budget: NonNegative = 600.0, backoff: NonNegative = 1.0,
-                 max_backoff: NonNegative = 16.0):
+                 max_backoff: NonNegative = 16.0, startup_timeout: NonNegative = 10.0):
         """`base_url`: the server (Flow-GRPO's default port). `only_strict`: skip the server's second,
         non-strict evaluation (Flow-GRPO trains with it on). `jpeg_quality`: PIL's default, 75, as
-        Flow-GRPO encodes the images."""
+        Flow-GRPO encodes the images. `startup_timeout`: how long the server may take to answer at
+        all before the run starts (0: no check); `retry_budget` is for a server that fails later."""
         if batch_size < 1:
             raise ConfigError(f"geneval.batch_size: {batch_size} (use >= 1)")
         self.url, self.batch_size, self.only_strict = base_url.rstrip("/") + "/", batch_size, only_strict
@@ -91,6 +92,25 @@ class GenEval(Reward):
         self.http = httpx.Client(timeout=timeout)
         self.requests = 0
         self._latencies: list[float] = []
+        if startup_timeout:
+            self._check_answers(startup_timeout)
+
+    def _check_answers(self, within: float) -> None:
+        """Any HTTP answer (GenEval's server takes POSTs only) within `within` seconds, else one line
+        saying what to start: a server nobody started would otherwise cost the whole retry budget
+        at the first score, after the models have loaded."""
+        deadline, last = time.monotonic() + within, ""
+        while True:
+            try:
+                self.http.get(self.url, timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                return
+            except httpx.TransportError as err:
+                last = type(err).__name__
+            if time.monotonic() + 0.5 > deadline:
+                raise RewardError(f"geneval: nothing answers at {self.url} ({last} for {within:g}s): start "
+                                  "Flow-GRPO's GenEval reward server there (its reward-server/ directory), or set "
+                                  "the reward's base_url")
+            time.sleep(0.5)
 
     def _post(self, body: bytes) -> dict:
         start, attempt, last = time.monotonic(), 0, ""

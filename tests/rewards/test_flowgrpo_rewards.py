@@ -299,9 +299,17 @@ def test_geneval_failures_are_errors_never_zero(geneval_server):
         with pytest.raises(PartialRewardError, match=rf"invalid answer: 'scores' holds {bad}, outside \[0, 1\]"):
             r(ims, ["a", "b"], GENEVAL_META[:2])
     _GenEvalServer.scores = None
-    dead = build_reward("geneval", {"base_url": "http://127.0.0.1:9", "backoff": 0.01, "retry_budget": 0.5})
+    dead = build_reward("geneval", {"base_url": "http://127.0.0.1:9", "backoff": 0.01, "retry_budget": 0.5,
+                                    "startup_timeout": 0})  # a server that went away after start-up
     with pytest.raises(PartialRewardError, match="connection failed"):
         dead(ims[:1], ["a"], GENEVAL_META[:1])
+
+
+def test_a_geneval_server_that_nobody_started_is_one_line_at_start_up():
+    """Not the 600 s retry budget at the first score: the reward is refused when it is built."""
+    with pytest.raises(RewardError, match=r"geneval: nothing answers at http://127.0.0.1:9/ \(ConnectError for 1s\): "
+                                          r"start Flow-GRPO's GenEval reward server there"):
+        build_reward("geneval", {"base_url": "http://127.0.0.1:9", "startup_timeout": 1})
 
 
 # ---------------------------------------------------------------------------------------------- VLM judges
