@@ -15,10 +15,8 @@ of an epoch, every `eval_freq` / `save_freq` epochs, and after the last one.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -144,14 +142,11 @@ class GRPOTrainer:
                                  train_timesteps=self.plan.train_timesteps, needs=self.loss.needs,
                                  share_prefix=cfg.sample.share_prefix and not per_step_gather)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
-        # cluster.colocate: the judges share the trainers' devices, awake for evaluation, sampling
-        # and scoring, asleep for training (paco_ds/serving/sleep.py has the protocol).
-        self.judges = None
-        if cfg.cluster is not None and cfg.cluster.colocate and cfg.reward_servers is not None:
-            from paco_ds.serving.sleep import JudgeSleep, judges_for_run
+        # cluster.colocate: the judges share the trainers' devices (paco_ds/serving/sleep.py).
+        from paco_ds.serving.sleep import ColocatedJudges
 
-            self.judges = JudgeSleep(judges_for_run(cfg.reward_servers, self.run_dir, dist.local_rank),
-                                     os.environ.get(cfg.reward_servers.api_key_env))
+        self.judges = ColocatedJudges.for_run(cfg, self.run_dir, dist.local_rank, in_flight=lambda: (
+            self.train_rewards.in_flight() + self.eval_rewards.in_flight()))
         self.logger: MetricsLogger | None = None
         self.epoch = 0
         self.global_step = 0
@@ -232,34 +227,8 @@ class GRPOTrainer:
             print(f"report: {report}", flush=True)
 
     def _colocated_judges(self, wake: bool) -> dict:
-        """Colocation: wake the judges before evaluation and sampling (after freeing the device
-        cache training left), put them to sleep before training (every rank has collected its
-        rewards, so nothing is in flight). Collective; {} when the run does not colocate."""
-        if self.judges is None:
-            return {}
-        key = "wake" if wake else "sleep"
-        out = {f"judge/{key}s": 0.0, f"judge/{key}_s": 0.0}
-        if self.judges.awake == wake:
-            return out
-        t0 = time.perf_counter()
-        if wake:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        barrier()
-        error = None
-        try:
-            if wake:
-                self.judges.wake()
-            else:  # refused while a reward batch is still at the judges (it would stall, or be aborted)
-                self.judges.sleep(in_flight=self.train_rewards.in_flight() + self.eval_rewards.in_flight())
-        except Exception as err:  # noqa: BLE001 - raised below on every rank together
-            error = err
-        if any_true(error is not None):
-            from paco_ds.serving.sleep import JudgeSleepError
-
-            raise error if error is not None else JudgeSleepError(f"a judge on another node failed to {key}")
-        return {f"judge/{key}s": 1.0, f"judge/{key}_s": time.perf_counter() - t0}
+        """Wake or sleep colocated judges (collective); {} when the run does not colocate."""
+        return self.judges.switch(wake) if self.judges is not None else {}
 
     # ------------------------------------------------------------------------------------ 1. sample
     def sample_epoch(self) -> EpochSamples:

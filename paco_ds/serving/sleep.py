@@ -27,6 +27,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -143,3 +144,52 @@ def judges_for_run(servers, run_dir: str | Path, local_rank: int, environ=os.env
     from paco_ds.serving.manager import read_state, run_state_dir
 
     return [s["url"] for s in read_state(run_state_dir(run_dir))["servers"] if s["role"] == "engine"]
+
+
+class ColocatedJudges:
+    """cluster.colocate: the judges share the trainers' devices, awake for evaluation, sampling and
+    scoring, asleep for training. `in_flight()` counts the reward requests still at the judges."""
+
+    def __init__(self, judges: JudgeSleep, in_flight: Callable[[], int]):
+        self.judges, self.in_flight = judges, in_flight
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path, local_rank: int, in_flight: Callable[[], int]) -> "ColocatedJudges | None":
+        """None unless the recipe colocates its judges (cluster.colocate with reward_servers)."""
+        if cfg.cluster is None or not cfg.cluster.colocate or cfg.reward_servers is None:
+            return None
+        urls = judges_for_run(cfg.reward_servers, run_dir, local_rank)
+        return cls(JudgeSleep(urls, os.environ.get(cfg.reward_servers.api_key_env)), in_flight)
+
+    def switch(self, wake: bool) -> dict[str, float]:
+        """Wake the judges before evaluation and sampling (after freeing the device cache training
+        left), put them to sleep before training (every rank has collected its rewards, so nothing
+        is in flight). Collective: every rank calls it at the same points, and a judge that fails
+        on one rank raises on all."""
+        import gc
+
+        import torch
+
+        from paco_ds.distributed import any_true, barrier
+
+        key = "wake" if wake else "sleep"
+        out = {f"judge/{key}s": 0.0, f"judge/{key}_s": 0.0}
+        if self.judges.awake == wake:
+            return out
+        t0 = time.perf_counter()
+        if wake:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        barrier()
+        error = None
+        try:
+            if wake:
+                self.judges.wake()
+            else:  # refused while a reward batch is still at the judges (it would stall, or be aborted)
+                self.judges.sleep(in_flight=self.in_flight())
+        except Exception as err:  # noqa: BLE001 - raised below on every rank together
+            error = err
+        if any_true(error is not None):
+            raise error if error is not None else JudgeSleepError(f"a judge on another node failed to {key}")
+        return {f"judge/{key}s": 1.0, f"judge/{key}_s": time.perf_counter() - t0}
