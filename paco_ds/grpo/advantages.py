@@ -27,6 +27,48 @@ ZERO_STD = 1e-5  # a group whose std is below this carries no learning signal
 
 
 @dataclass
+class EpochRewards:
+    """Every rank's rewards of an epoch in the epoch's sample order (the same arrays on every
+    rank), and where this rank's own samples sit in that order."""
+
+    groups: np.ndarray  # [N] prompt group of each sample
+    valid: np.ndarray  # [N] bool: every reward scored the sample
+    scores: dict[str, np.ndarray]  # reward name -> [N]
+    parts: dict[str, np.ndarray]  # a reward's parts (e.g. consistency and following) -> [N]
+    latency_s: list[list[float]]  # each rank's judge request latencies
+    mine: np.ndarray  # [n] this rank's samples' indices in the order above, in its own order
+
+    @classmethod
+    def gather(cls, positions: np.ndarray, groups: np.ndarray, valid: np.ndarray, scores: dict[str, np.ndarray],
+               parts: dict[str, np.ndarray], latency_s: list[float]) -> "EpochRewards":
+        """Collective: each rank's samples (their epoch positions, groups and rewards), sorted by
+        position, so that a group's statistics do not depend on which rank sampled what."""
+        from paco_ds.distributed import all_gather_object
+
+        everyone = all_gather_object({"positions": positions, "groups": groups, "valid": valid, "scores": scores,
+                                      "parts": parts, "latency_s": latency_s})
+        pos = np.concatenate([e["positions"] for e in everyone])
+        order = np.argsort(pos)
+
+        def joined(get) -> np.ndarray:
+            return np.concatenate([get(e) for e in everyone])[order]
+
+        return cls(groups=joined(lambda e: e["groups"]), valid=joined(lambda e: e["valid"]),
+                   scores={name: joined(lambda e, n=name: e["scores"][n]) for name in scores},
+                   parts={name: joined(lambda e, n=name: e["parts"][n]) for name in parts},
+                   latency_s=[e["latency_s"] for e in everyone],
+                   mine=np.searchsorted(pos[order], positions))
+
+    def split(self, values: np.ndarray, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's share of a per-sample array over the epoch, one tensor per rollout batch."""
+        out, start = [], 0
+        for n in sizes:
+            out.append(torch.as_tensor(values[self.mine[start:start + n]], dtype=dtype))
+            start += n
+        return out
+
+
+@dataclass
 class AdvantageResult:
     advantages: np.ndarray  # [N]; 0 where not kept
     combined: np.ndarray  # aggregated reward per sample; NaN where masked

@@ -35,7 +35,7 @@ from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_max, al
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, zero_stage
 from paco_ds.errors import ConfigError, TrainingDiverged
-from paco_ds.grpo.advantages import StatTracker
+from paco_ds.grpo.advantages import EpochRewards, StatTracker
 from paco_ds.grpo.ema import EMA
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
@@ -251,47 +251,34 @@ class GRPOTrainer:
     def score_epoch(self, samples: EpochSamples) -> dict:
         results = self.train_rewards.collect()
         trajs = samples.trajectories
-        local = {
-            "positions": np.array([p for t in trajs for p in t.positions], dtype=np.int64),
-            "groups": np.array([g for t in trajs for g in t.group_ids], dtype=np.int64),
-            "scores": {name: r.scores for name, r in results.items()},
-            "parts": part_scores(results),  # e.g. consistency_for_editing's consistency and following
-            "valid": np.logical_and.reduce([r.valid for r in results.values()]),
-            "latency_s": self.train_rewards.take_latencies(),  # this epoch's judge requests, evaluation's included
-        }
-        everyone = all_gather_object(local)
-        pos = np.concatenate([e["positions"] for e in everyone])
-        order = np.argsort(pos)
-        groups = np.concatenate([e["groups"] for e in everyone])[order]
-        valid = np.concatenate([e["valid"] for e in everyone])[order]
-        scores = {name: np.concatenate([e["scores"][name] for e in everyone])[order] for name in results}
-        adv = self.tracker.compute(scores, groups, valid, device=self.dist.device)  # the GRPO kernel on GPUs
-        where = np.searchsorted(pos[order], local["positions"])  # my samples in the sorted global order
-        start = 0
-        samples.advantages, samples.keep = [], []
-        for t in trajs:  # each rollout batch's samples' advantages, for training
-            mine = where[start:start + len(t)]
-            samples.advantages.append(torch.as_tensor(adv.advantages[mine], dtype=torch.float32))
-            samples.keep.append(torch.as_tensor(adv.keep[mine], dtype=torch.bool))
-            start += len(t)
+        rewards = EpochRewards.gather(
+            positions=np.array([p for t in trajs for p in t.positions], dtype=np.int64),
+            groups=np.array([g for t in trajs for g in t.group_ids], dtype=np.int64),
+            valid=np.logical_and.reduce([r.valid for r in results.values()]),
+            scores={name: r.scores for name, r in results.items()},
+            parts=part_scores(results),  # e.g. consistency_for_editing's consistency and following
+            latency_s=self.train_rewards.take_latencies())  # this epoch's judge requests, evaluation's included
+        adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device)
+        sizes = [len(t) for t in trajs]
+        samples.advantages = rewards.split(adv.advantages, sizes, torch.float32)
+        samples.keep = rewards.split(adv.keep, sizes, torch.bool)
 
         metrics = {f"adv/{k}": v for k, v in adv.stats.items()}
-        for name in local["parts"]:
-            part = np.concatenate([e["parts"][name] for e in everyone])
+        for name, part in rewards.parts.items():
             metrics[f"reward/{name}/mean"] = float(np.nanmean(part)) if np.isfinite(part).any() else float("nan")
-        for name, s in scores.items():
-            ok = valid & np.isfinite(s)
+        for name, s in rewards.scores.items():
+            ok = rewards.valid & np.isfinite(s)
             metrics[f"reward/{name}/mean"] = float(s[ok].mean()) if ok.any() else float("nan")
             metrics[f"reward/{name}/std"] = float(s[ok].std()) if ok.any() else float("nan")
         finite = np.isfinite(adv.combined)
         metrics["reward/combined/mean"] = float(adv.combined[finite].mean()) if finite.any() else float("nan")
-        metrics["reward/masked"] = float((~valid).sum())
+        metrics["reward/masked"] = float((~rewards.valid).sum())
         metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
-        metrics |= judge_latency_metrics([e["latency_s"] for e in everyone])
+        metrics |= judge_latency_metrics(rewards.latency_s)
         if self.dist.is_main and self.cfg.logging.num_train_images:
             n = self.cfg.logging.num_train_images
             images = [im for t in trajs for im in to_pil(t.images)][:n]
-            captions = [f"{s:.3g}" for s in adv.combined[where][:n]]
+            captions = [f"{s:.3g}" for s in adv.combined[rewards.mine][:n]]
             self.logger.save_image("train_samples", make_grid(images, captions=captions), self.epoch)
         metrics["train/height"], metrics["train/width"] = float(trajs[0].height), float(trajs[0].width)
         if not adv.keep.any():  # the same on every rank: computed from the gathered rewards

@@ -290,3 +290,21 @@ def test_the_advantages_run_on_the_device_and_backend_they_are_given():
     with pytest.raises(ValueError, match="'cpp' runs on CPU tensors, these are on meta"):
         StatTracker(AdvantageConfig(), AggregationConfig(), weights, backend="cpp").compute(rewards, ids,
                                                                                         device="meta")
+
+
+def test_epoch_rewards_are_in_epoch_order_and_each_rank_gets_its_own_back():
+    """One process (the gather is the identity): samples drawn out of order come back sorted by
+    their epoch position, and `split` hands each rollout batch its own values, in its own order."""
+    import torch
+
+    from paco_ds.grpo.advantages import EpochRewards
+
+    positions = np.array([5, 1, 3, 0])  # two rollout batches: [5, 1] and [3, 0]
+    r = EpochRewards.gather(positions, groups=np.array([2, 0, 1, 0]), valid=np.array([True, True, False, True]),
+                            scores={"a": np.array([0.5, 0.1, 0.3, 0.0])}, parts={}, latency_s=[0.2])
+    assert r.groups.tolist() == [0, 0, 1, 2] and r.valid.tolist() == [True, True, False, True]
+    assert r.scores["a"].tolist() == [0.0, 0.1, 0.3, 0.5] and r.latency_s == [[0.2]]
+    assert r.mine.tolist() == [3, 1, 2, 0]
+    per_sample = np.array([10.0, 11.0, 13.0, 15.0])  # indexed by epoch order
+    first, second = r.split(per_sample, [2, 2], torch.float32)
+    assert first.tolist() == [15.0, 11.0] and second.tolist() == [13.0, 10.0]
