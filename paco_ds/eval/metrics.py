@@ -25,6 +25,7 @@ a dimension is NaN and left out of the means (the reference would crash on the m
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -44,50 +45,23 @@ RANK_METRICS = ("accuracy", "kendalltau", "spearmanr", "kendalltau_ranks", "spea
 
 
 # ------------------------------------------------------------------------------------ correlations
-def _average_ranks(x: Sequence[float]) -> np.ndarray:
-    """1-based ranks, ties get the mean of the ranks they span (scipy's rankdata 'average')."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
+# scipy.stats, as the reference's own evaluation: tau-b (ties on either side counted) and Spearman's
+# rho on average ranks. A constant side makes either undefined: NaN, without scipy's warning (the
+# caller counts such items).
 def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float:
-    """(C - D) / sqrt((n0 - tx)(n0 - ty)); NaN when either side is constant."""
-    n = len(x)
-    c = d = tx = ty = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
-            if dx == 0 and dy == 0:
-                tx += 1
-                ty += 1
-            elif dx == 0:
-                tx += 1
-            elif dy == 0:
-                ty += 1
-            elif dx == dy:
-                c += 1
-            else:
-                d += 1
-    n0 = n * (n - 1) // 2
-    denom = math.sqrt((n0 - tx) * (n0 - ty))
-    return (c - d) / denom if denom else math.nan
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        return float(stats.kendalltau(x, y, variant="b").statistic)
 
 
 def spearman_rho(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation of the average ranks; NaN when either side is constant."""
-    rx, ry = _average_ranks(x), _average_ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    denom = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
-    return float((rx * ry).sum() / denom) if denom else math.nan
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        return float(stats.spearmanr(x, y).statistic)
 
 
 # ------------------------------------------------------------------------------------ ConsistencyRank

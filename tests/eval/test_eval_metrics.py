@@ -77,3 +77,35 @@ def test_edit_reward_strict_and_geq_per_type_macro_and_groups():
     c = s["strict"]["consistency"]
     assert c["extract"] == 0.0 and c["scene"] == 0.0 and c["average"] == 0.0
     assert s["counts"][pf]["subject-add"] == 3
+
+
+def test_the_correlations_are_the_definitions_with_ties_on_either_side():
+    """scipy's tau-b and rho against the definitions, counted pair by pair, on 200 small samples
+    with many ties (integer values in 0..3), as judge scores and annotated ranks have."""
+    import numpy as np
+
+    from paco_ds.eval.metrics import kendall_tau_b, spearman_rho
+
+    def tau_b(x, y):
+        pairs = [(np.sign(x[i] - x[j]), np.sign(y[i] - y[j])) for i in range(len(x)) for j in range(i + 1, len(x))]
+        c = sum(dx * dy > 0 for dx, dy in pairs)
+        d = sum(dx * dy < 0 for dx, dy in pairs)
+        n0 = len(pairs)
+        tx, ty = sum(dx == 0 for dx, _ in pairs), sum(dy == 0 for _, dy in pairs)
+        return (c - d) / math.sqrt((n0 - tx) * (n0 - ty))
+
+    def average_ranks(v):
+        return np.array([sum(w < a for w in v) + (sum(w == a for w in v) + 1) / 2 for a in v])
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(200):
+        n = int(rng.integers(3, 9))
+        x, y = rng.integers(0, 4, n).astype(float), rng.integers(0, 4, n).astype(float)
+        if len(set(x)) == 1 or len(set(y)) == 1:
+            assert math.isnan(kendall_tau_b(x, y)) and math.isnan(spearman_rho(x, y))
+            continue
+        assert kendall_tau_b(x, y) == pytest.approx(tau_b(x, y), abs=1e-12)
+        assert spearman_rho(x, y) == pytest.approx(np.corrcoef(average_ranks(x), average_ranks(y))[0, 1], abs=1e-12)
+        checked += 1
+    assert checked > 150
