@@ -48,6 +48,21 @@ def _sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def fsync_tree(path: Path, recursive: bool = True) -> None:
+    """Flush `path` (a file, or a directory with everything under it) to the disk. A rename
+    publishes a checkpoint atomically only if what it names is durable: without this, a power
+    loss soon after a save can leave `latest` naming a checkpoint of empty files."""
+    paths = [path]
+    if path.is_dir() and recursive:
+        paths = sorted(path.rglob("*"), key=lambda p: -len(p.parts)) + [path]  # files before their directories
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def manifest(ckpt_dir: Path) -> dict[str, dict]:
     """{relative path: {size, sha256}} of every file of a checkpoint but meta.json."""
     ckpt_dir = Path(ckpt_dir)
@@ -128,6 +143,7 @@ class CheckpointManager:
                                        save_latest=False)
             torch.save({**state, "rng": rng if rng is not None else rng_state()},
                        staging / f"trainer_state_rank{self.rank}.pt")
+            fsync_tree(staging)  # this rank's files (on a shared disk, everyone's) are on the disk
         barrier()
         final = self.root / tag
         if self.is_main:
@@ -136,12 +152,15 @@ class CheckpointManager:
                     write_extra(staging)
                 meta["files"] = manifest(staging)  # every rank's files are written (barrier above)
                 (staging / META).write_text(json.dumps(meta, indent=2))
+                fsync_tree(staging)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(staging, final)
             tmp = self.root / f".{LATEST}.tmp"
             tmp.write_text(tag)
+            fsync_tree(tmp)
             os.replace(tmp, self.root / LATEST)
+            fsync_tree(self.root, recursive=False)  # the two renames themselves
             for old in self.complete()[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier()

@@ -146,3 +146,28 @@ def test_a_checkpoint_directory_removed_under_a_rank_is_named(tmp_path):
     assert failure is not None and failure.exit_code == 74
     assert str(failure).startswith(f"{staging} disappeared while the run was writing into it")
     assert storage_failure(err, tmp_path / "other", tmp_path / "other") is None  # not this run's directory
+
+
+def test_a_checkpoint_is_on_the_disk_before_the_renames_publish_it(tmp_path, monkeypatch):
+    """Every file of the checkpoint, its directory and the new `latest` are fsync'd before the
+    rename that makes each visible, and the checkpoints directory after both renames."""
+    import os
+
+    from paco_ds.checkpoint import CheckpointManager
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    root = tmp_path / "checkpoints"
+    CheckpointManager(root, keep_last=2, rank=0, world_size=1).save(None, "epoch_0001", {"w": torch.zeros(4)},
+                                                                    {"epoch": 1})
+    staging = str(root / ".staging-epoch_0001")
+    publish = events.index(("replace", staging, str(root / "epoch_0001")))
+    synced = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    assert {f"{staging}/trainer_state_rank0.pt", f"{staging}/meta.json", staging} <= synced
+    point = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(root / "latest"))
+    assert ("fsync", str(root / ".latest.tmp")) in events[publish:point]
+    assert ("fsync", str(root)) in events[point:]
+    assert (root / "latest").read_text() == "epoch_0001"
