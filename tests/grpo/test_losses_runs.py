@@ -56,15 +56,7 @@ def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(t
 
 def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
     # The recipe with the EMA anchor (its weights live in the checkpoint): 1 optimizer step per epoch.
-    sets = ("train.awm.ema_beta=1.0",)
-    full = tmp_path / "full"
-    proc = run_trainer(full, *SHORT, *sets, config=AWM)
-    assert proc.returncode == 0, tail(proc)
-    resumed = resume_copy(full, tmp_path / "resumed", "epoch_0001", *SHORT, *sets, config=AWM)
-    assert resumed.returncode == 0, tail(resumed)
-    assert "resumed from" in resumed.stdout
-    assert stable(metrics(tmp_path / "resumed")) == stable(metrics(full))
-    rows = [r for r in metrics(full) if "time/epoch" in r]
+    rows = _resumes_exactly(tmp_path, AWM, "train.awm.ema_beta=1.0")
     for r in rows:
         assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
         # per rank: 4 samples x 3 levels, each the anchor's forward (no grad) + the current one

@@ -20,11 +20,6 @@ from distributed_runs import metrics, resume_copy, run_trainer, stable, tail
 pytestmark = pytest.mark.runs
 
 PROMPTS = REPO / "paco_ds" / "data" / "prompts"
-RECIPES = {  # recipe -> tiny train and test files
-    "sd3_geneval": ("tiny_geneval_train.jsonl", "tiny_geneval_test.jsonl"),
-    "sd3_ocr": ("tiny_ocr_train.txt", "tiny_ocr_test.txt"),
-    "sd3_pickscore": ("tiny_ocr_train.txt", "tiny_ocr_test.txt"),
-}
 
 
 
