@@ -226,7 +226,7 @@ def paco_rollouts(policy, args, variant: str):
     """The trainer's Rollouts (paco_ds/grpo/rollouts.py) for one of (a)'s variants: the paper's recipe
     with this benchmark's shape, seed 0 (so epoch e's latents and noise are the reference's at repeat e)."""
     import kernels
-    from paco_ds.grpo.losses import RolloutNeeds
+    from paco_ds.grpo.losses.base import RolloutNeeds
     from paco_ds.grpo.plan import load_config
     from paco_ds.grpo.rollouts import Rollouts
 

@@ -49,7 +49,7 @@ def sampling(args) -> dict:
 
     from grpo_vs_reference import load_policy
     from paco_ds.data import PromptItem
-    from paco_ds.grpo.losses import RolloutNeeds
+    from paco_ds.grpo.losses.base import RolloutNeeds
     from paco_ds.grpo.plan import load_config
     from paco_ds.grpo.rollouts import Pick, Rollouts
 

@@ -10,11 +10,11 @@ world_size)` in paco_ds/grpo/plan.py computes them from the real world size at r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Union
+import functools
+from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from paco_ds.grpo.loss_config import AWMConfig, LossSection, NFTConfig, PPOConfig
 from paco_ds.recipe import check_name
 from paco_ds.serving.config import ServersConfig, check_top_logprobs
 
@@ -160,13 +160,11 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0)  # DeepSpeed gradient_clipping (0 disables)
     optimizer_steps_per_epoch: int = Field(2, ge=1)
     num_inner_epochs: int = Field(1, ge=1)
-    loss: str = "ppo"  # a loss of paco_ds/grpo/losses.py (LOSSES)
+    # A loss of paco_ds/grpo/losses (LOSSES) or "module:Class"; its default and each loss's own section
+    # (train.<loss name>) are the registry's, composed into the schema by `compose_schema`.
+    loss: str
     kl_beta: float = Field(0.0, ge=0)  # KL weight; the reference forward runs only when > 0
     timesteps: list[int] | None = None  # trained step indices; default: sample.noise_steps
-    # Each built-in loss's own keys, named as the loss (paco_ds/grpo/loss_config.py)
-    ppo: PPOConfig = Field(default_factory=PPOConfig)  # used by loss: ppo
-    nft: NFTConfig = Field(default_factory=NFTConfig)  # used by loss: nft
-    awm: AWMConfig = Field(default_factory=AWMConfig)  # used by loss: awm
     ema: EMAConfig = Field(default_factory=EMAConfig)
     max_consecutive_nonfinite: int = Field(3, ge=1)
 
@@ -175,11 +173,32 @@ class TrainConfig(Section):
     def _known_loss(cls, v: str, info: ValidationInfo) -> str:
         return check_name(v, info, "losses", "loss")
 
+    # train.loss -> the name of its section (set by compose_schema)
+    SECTION_OF: ClassVar[dict[str, str]] = {}
+
     @property
     def loss_section(self) -> LossSection | None:
-        """train.<loss>, the active built-in loss's section (None for a loss outside paco_ds)."""
-        section = getattr(self, self.loss, None)
-        return section if isinstance(section, LossSection) else None
+        """The active loss's own section (None for a loss that declares none)."""
+        key = self.SECTION_OF.get(self.loss)
+        return getattr(self, key) if key else None
+
+
+class LossSection(Section):
+    """A loss's own keys, `train.<loss name>`, declared in the loss's file: its keys, defaults and
+    cross-checks against the rest of the recipe. The schema takes the sections from the loss
+    registry (compose_schema), so this layer names no loss."""
+
+    # The loss checks train.timesteps itself (`check`): they need not be SDE steps with a log-prob.
+    checks_own_timesteps: ClassVar[bool] = False
+
+    def check(self, cfg: "Config") -> None:
+        """Raise ValueError, naming the keys, where the recipe contradicts this loss (only called
+        when train.loss is this section's loss)."""
+
+    def trained_slots(self, cfg: "Config") -> list[int] | None:
+        """The trained step slots of a micro-batch when the loss draws its own (None: the SDE steps
+        of train.timesteps / sample.noise_steps / sample.sde_window)."""
+        return None
 
 
 class EvalConfig(Section):
@@ -383,7 +402,7 @@ class Config(Recipe):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     sample: SampleConfig = Field(default_factory=SampleConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    train: TrainConfig  # its defaults and loss sections come from compose_schema
     test: EvalConfig = Field(default_factory=EvalConfig)
     rewards: RewardsConfig
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
@@ -400,12 +419,13 @@ class Config(Recipe):
         check_top_logprobs({f"rewards.{split}.terms.{name}": t.kwargs for split, rs in
                             (("train", self.rewards.train), ("test", self.rewards.test)) if rs is not None
                             for name, t in rs.terms.items()}, self.reward_servers)
-        if self.train.loss_section is not None:
-            self.train.loss_section.check(self)
+        section = self.train.loss_section
+        if section is not None:
+            section.check(self)
         if not self.train_timesteps and self.sample.sde_window is None:
             # an epoch of zero micro-steps: DeepSpeed would stop at its own assertion (train batch size 0)
             raise ValueError("sample.noise_steps is empty and train.timesteps unset: no step would be trained")
-        steps = self.train_timesteps if self.train.loss != "awm" else []  # awm: no log-prob, checked above
+        steps = [] if section is not None and section.checks_own_timesteps else self.train_timesteps
         late = [j for j in self.sample.noise_steps if j >= self.sample.num_steps]
         if late and self.sample.sde_window is None:
             # The sampler would never reach them: the recipe asks for noise that is silently not there.
@@ -430,8 +450,10 @@ class Config(Recipe):
 
     @property
     def train_timesteps(self) -> list[int]:
-        if self.train.loss == "awm" and self.train.awm.timestep_sampling != "fixed":
-            return list(range(self.train.awm.num_timesteps))  # AWM's K slots, each draws its level per visit
+        section = self.train.loss_section
+        slots = section.trained_slots(self) if section is not None else None
+        if slots is not None:
+            return slots
         # The reference bound train.timesteps to noise_steps before editing configs changed them
         # (PaCo-RL/PaCo-GRPO/config/grpo.py, qwen_editing); here the default is read at use time. With
         # an SDE window: the window at its first position (each epoch or group draws where it lies; its
@@ -440,3 +462,13 @@ class Config(Recipe):
             lo = self.sample.sde_window.range[0]
             return list(range(lo, lo + self.sample.sde_window.size))
         return sorted(set(self.train.timesteps)) if self.train.timesteps is not None else list(self.sample.noise_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def compose_schema(sections: tuple[tuple[str, str, type[LossSection]], ...], default_loss: str) -> type[Config]:
+    """The GRPO schema with the losses' own sections: `sections` holds (train.loss value, section
+    name, section class) for each loss that declares one, `default_loss` is train.loss unset."""
+    fields: dict[str, Any] = {name: (cls, Field(default_factory=cls)) for _, name, cls in sections}
+    train = create_model("TrainConfig", __base__=TrainConfig, loss=(str, default_loss), **fields)
+    train.SECTION_OF = {loss: name for loss, name, _ in sections}
+    return create_model("Config", __base__=Config, train=(train, Field(default_factory=train)))

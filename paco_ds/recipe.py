@@ -17,7 +17,7 @@ import copy
 import difflib
 import importlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 from pydantic import BaseModel, ValidationError, ValidationInfo
@@ -327,15 +327,18 @@ def add_recipe_arguments(parser) -> None:
                         help=argparse.SUPPRESS)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None, schema: type[BaseModel],
-                context: dict[str, Any] | None = None):
+def load_recipe(path: str | Path, overrides: list[str] | None,
+                schema: type[BaseModel] | Callable[[dict], type[BaseModel]], context: dict[str, Any] | None = None):
     """Load a recipe, apply `extends` and `--set` overrides, and validate it against `schema`
-    (which needs a `source` field); `context` carries the registries the validators check names
-    against."""
+    (which needs a `source` field), or against the schema `schema(data)` returns for the merged
+    recipe (one composed from registries); `context` carries the registries the validators check
+    names against."""
     path = Path(path)
     data, locs = _read_yaml(path)
     data = _strip_markers(apply_overrides(data, overrides or [], locs))
     data["source"] = str(path.resolve())
+    if not isinstance(schema, type):
+        schema = schema(data)
     try:
         return schema.model_validate(data, context=context)
     except ValidationError as err:

@@ -15,10 +15,9 @@ from PIL import Image
 from pydantic import BaseModel
 
 from conftest import REPO, TINY, one_line_error, run_cli
-from paco_ds.config import Config
 from paco_ds.data import load_prompts
 from paco_ds.errors import ConfigError, DataError
-from paco_ds.grpo.plan import check_recipe, load_config
+from paco_ds.grpo.plan import check_recipe, grpo_schema, load_config
 from paco_ds.sft.config import SFTConfig, load_sft_config
 
 pytestmark = pytest.mark.fast
@@ -176,7 +175,7 @@ def _float_keys(model: type[BaseModel], prefix: tuple = ()) -> list[str]:
     return out
 
 
-GRPO_FLOATS = _float_keys(Config)
+GRPO_FLOATS = _float_keys(grpo_schema({}))  # with the built-in losses' sections
 SFT_FLOATS = _float_keys(SFTConfig)
 
 

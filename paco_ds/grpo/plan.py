@@ -1,7 +1,7 @@
 """A GRPO recipe, loaded and planned for a world size.
 
 `load_config` validates a recipe against the schema (paco_ds/config.py) and the registries above
-it: model families (paco_ds/models), losses (paco_ds/grpo/losses.py), rewards and aggregations,
+it: model families (paco_ds/models), losses (paco_ds/grpo/losses/), rewards and aggregations,
 so a name without an implementation is one line and exit 2 at load and in `--dry-run`.
 `derive` is the batch arithmetic of an epoch for the real world size; `check_recipe` and
 `describe` are `launch/train.py --dry-run`: the recipe, its data and the epoch plan, without
@@ -34,9 +34,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """The recipe, with `model.path` and `model.lora.target_modules` the family's own where unset."""
     from paco_ds.models import with_family_defaults
 
-    cfg = load_recipe(path, overrides, Config, context=registries())
+    cfg = load_recipe(path, overrides, grpo_schema, context=registries())
     cfg.model = with_family_defaults(cfg.model)
     return cfg
+
+
+def grpo_schema(data: dict) -> type[Config]:
+    """The schema of a merged recipe: Config with the losses' own sections (the built-in ones, and
+    the recipe's own loss when train.loss is an import path)."""
+    from paco_ds.config import compose_schema
+    from paco_ds.grpo.losses import DEFAULT_LOSS, loss_sections
+
+    train = data.get("train")
+    loss = train.get("loss") if isinstance(train, dict) else None
+    return compose_schema(loss_sections(loss if isinstance(loss, str) else DEFAULT_LOSS), DEFAULT_LOSS)
 
 
 @dataclass(frozen=True)

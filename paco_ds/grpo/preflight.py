@@ -102,12 +102,6 @@ def check_resume(cfg: Config, path: Path, allowed: tuple[str, ...] = ()) -> str:
     return compare(saved, resume_settings(cfg), RESUME_MUST_MATCH, path, allowed, allow_flag=True)
 
 
-def check_loss(cfg: Config) -> None:
-    from paco_ds.grpo.losses import loss_class
-
-    loss_class(cfg.train.loss)
-
-
 def check_writable(path: Path, key: str = "output_dir") -> None:
     """`path` (a directory to be) can be created and written: probe the nearest existing ancestor
     (or the directory itself) with a temporary file; nothing is left behind."""
@@ -169,7 +163,6 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
         check_sizes(cfg, test_items, "data.test_file")
     check_reward_arguments(cfg)
     check_records_for_rewards(cfg, train_items, test_items)
-    check_loss(cfg)
     if cfg.model.lora.path:
         from paco_ds.models.lora import check_lora_file
 

@@ -6,7 +6,7 @@ One epoch, top to bottom (docs/design.md):
               workers at once, so scoring overlaps sampling.
   2. reward   collect the scores, gather them from all ranks.
   3. advantage per-prompt GRPO over the gathered epoch (stat tracker), each rank keeps its own.
-  4. train    the recipe's loss (paco_ds/grpo/losses.py; PPO-clip on the noised steps: one forward
+  4. train    the recipe's loss (paco_ds/grpo/losses/; PPO-clip on the noised steps: one forward
               with grad per sample and step, a second, adapter-disabled one only when train.kl_beta > 0);
               DeepSpeed accumulates, clips, steps; the EMA steps once per optimizer step.
 Evaluation (ODE at the test resolution, the test reward set) and checkpoints happen at the start

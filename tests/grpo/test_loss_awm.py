@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paco_ds.grpo.awm import (AWM, anchor_decay, continuous_time, matching_log_prob, scaled_advantages,
+from paco_ds.grpo.losses.awm import (AWM, anchor_decay, continuous_time, matching_log_prob, scaled_advantages,
                               stratum_step)
 from paco_ds.grpo.plan import load_config
 

@@ -1,7 +1,8 @@
-"""The built-in losses' recipe sections (paco_ds/grpo/loss_config.py): `train.ppo`, `train.nft` and
-`train.awm` validate their own keys, PPO-clip's old top-level keys name their new place, and each
-loss's cross-checks run for that loss, naming the keys."""
+"""The losses' recipe sections, each declared in its loss's file (paco_ds/grpo/losses/): `train.ppo`,
+`train.nft`, `train.awm`, and `train.reinforce` of a loss that lives in tests/ only, validate their
+own keys, and each loss's cross-checks run for that loss, naming the keys."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,34 @@ def test_ppo_keys_live_in_train_ppo():
     assert cfg.train.loss_section is cfg.train.ppo
     awm = load_config(AWM)
     assert awm.train.loss_section is awm.train.awm
-    # A loss outside paco_ds has no built-in section.
-    assert load_config(TINY, ["train.loss=mypackage.losses:MyLoss"]).train.loss_section is None
+
+
+
+REINFORCE = "tests/grpo/reinforce.yaml"  # train.loss: tests.grpo.reinforce_loss:Reinforce
+
+
+def test_a_loss_outside_paco_ds_brings_its_own_section():
+    from paco_ds import config
+    from tests.grpo.reinforce_loss import ReinforceConfig
+
+    cfg = load_config(REINFORCE)
+    assert isinstance(cfg.train.loss_section, ReinforceConfig) and cfg.train.reinforce.scale == 2.0
+    assert load_config(REINFORCE, ["train.reinforce.scale=0.5"]).train.reinforce.scale == 0.5
+    assert "did you mean 'train.reinforce.scale'?" in _error(REINFORCE, ["train.reinforce.scal=1"])
+    assert "config key 'train.reinforce.scale'" in _error(REINFORCE, ["train.reinforce.scale=0"])
+    msg = _error(REINFORCE, ["sample.noise_level=0"])  # its own cross-check, naming both keys
+    assert "train.loss" in msg and "sample.noise_level" in msg
+    # Without that loss, its section is an unknown key like any other.
+    assert "unknown config key 'train.reinforce'" in _error(TINY, ["train.reinforce={scale: 2}"])
+    # The schema names no loss: the sections come from the registry when a recipe is loaded.
+    assert not {"ppo", "nft", "awm", "reinforce"} & set(config.TrainConfig.model_fields)
+    assert not re.search(r"\b(ppo|nft|awm|reinforce)\b", Path(config.__file__).read_text(), re.I)
+
+
+def test_a_loss_without_a_section_of_its_own_or_with_a_taken_name():
+    # a subclass of a built-in loss shares its section (tests/test_registries.py's OwnLoss)
+    assert load_config(TINY, ["train.loss=test_registries:OwnLoss"]).train.loss_section.clip_range == 0.01
+    assert "cannot import loss 'no_such:X'" in _error(TINY, ["train.loss=no_such:X"])
 
 
 @pytest.mark.parametrize("key, value", [("clip_range", "0.2"), ("ratio_norm", "true")])

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from paco_ds.grpo.losses import nft_loss, old_policy_decay, optimality_weight, ratio_norm
+from paco_ds.grpo.losses.nft import nft_loss, old_policy_decay, optimality_weight
+from paco_ds.grpo.losses.ppo import ratio_norm
 from paco_ds.grpo.plan import load_config
 from paco_ds.sampling.window import rollout_steps, window_start
 
@@ -106,7 +107,9 @@ def test_recipes_validate(recipe):
 
 
 def test_the_epoch_line_prints_what_the_loss_reports():
-    from paco_ds.grpo.losses import NFT, Loss, PPOClip
+    from paco_ds.grpo.losses.base import Loss
+    from paco_ds.grpo.losses.nft import NFT
+    from paco_ds.grpo.losses.ppo import PPOClip
     from paco_ds.grpo.trainer import epoch_line
 
     class OwnStat(Loss):  # a loss outside paco_ds reports its own statistic

@@ -1,6 +1,7 @@
-"""DiffusionNFT, GRPO-Guard and Flow-GRPO-Fast windows for real: the deepspeed launcher, 2 ZeRO-3
+"""DiffusionNFT, AWM, GRPO-Guard, Flow-GRPO-Fast windows and a loss from tests/ for real: the deepspeed launcher, 2 ZeRO-3
 CPU processes, and the run resumed from its epoch-1 checkpoint matches the uninterrupted one."""
 import pytest
+import yaml
 
 from distributed_runs import REPO, metrics, resume_copy, run_trainer, stable, tail
 
@@ -67,3 +68,15 @@ def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
     # epoch 0 trains the initial weights, which the anchor holds; epoch 1's differ from the blend
     assert rows[0]["train/ema_kl"] == 0.0 and rows[1]["train/ema_kl"] > 0
     assert rows[1]["train/grad_norm"] > 0
+
+
+def test_a_loss_that_lives_in_tests_only_trains_from_its_recipe_and_resumes_exactly(tmp_path):
+    # tests/grpo/reinforce_loss.py: the loss and its section, one file, no line in paco_ds
+    rows = _resumes_exactly(tmp_path, REPO / "tests/grpo/reinforce.yaml")
+    for r in rows:
+        assert r["train/ratio_first"] == 1.0  # an unchanged policy's importance ratio
+        assert r["train/forwards_per_step"] == 1.0
+    assert rows[1]["train/grad_norm"] > 0
+    saved = yaml.safe_load((tmp_path / "full" / "config.yaml").read_text())
+    assert saved["train"]["loss"] == "tests.grpo.reinforce_loss:Reinforce"
+    assert saved["train"]["reinforce"] == {"scale": 2.0}  # its own key, from the recipe

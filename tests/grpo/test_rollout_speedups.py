@@ -6,7 +6,7 @@ import torch
 from conftest import REPO, TINY, run_cli
 
 from paco_ds.data import PromptItem
-from paco_ds.grpo.losses import RolloutNeeds
+from paco_ds.grpo.losses.base import RolloutNeeds
 from paco_ds.grpo.plan import load_config
 from paco_ds.grpo.rollouts import Pick, Rollouts
 from paco_ds.sampling.rollout import transition_log_prob

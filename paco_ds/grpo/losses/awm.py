@@ -24,15 +24,63 @@ from __future__ import annotations
 import math
 from functools import partial
 from statistics import NormalDist
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 import kernels
-from paco_ds.config import Config
-from paco_ds.grpo.loss_config import AWMConfig
-from paco_ds.grpo.losses import Loss, OldPolicy, RolloutNeeds
+from paco_ds.config import Config, LossSection
+from paco_ds.grpo.losses.base import Loss, OldPolicy, RolloutNeeds, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.rollout import make_generator
+
+class AWMConfig(LossSection):
+    """`train.loss: awm`, Advantage Weighted Matching (arXiv 2509.25050); docs/losses.md maps each key to the paper and
+    to the authors' code (scxue/advantage_weighted_matching, scripts/train_sd3_awm.py)."""
+
+    # The noise levels t trained per sample: `fixed` the schedule's sigma_j of train.timesteps (as
+    # nft); `discrete` one step per stratum of [0, sample.num_steps * timestep_fraction), its sigma
+    # (`discrete_wo_init` strata of [1, ...), `discrete_with_init` step 0 plus those); `logit_normal`
+    # / `uniform` a stratified continuous t under time_shift.
+    timestep_sampling: Literal["fixed", "discrete", "discrete_wo_init", "discrete_with_init", "logit_normal",
+                               "uniform"] = "discrete"
+    num_timesteps: int = Field(6, ge=1)  # K levels per sample (with `fixed`: train.timesteps lists them)
+    timestep_fraction: float = Field(0.9, gt=0, le=1)
+    time_shift: float = Field(3.0, gt=0)  # continuous samplings only
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # log p = -w(t, mse)
+    ghuber_power: float = Field(0.25, gt=0)
+    clip_range: float | None = Field(1.0, gt=0)  # PPO clip of exp(log p - log p_old); null: -A log p
+    advantage_max: float = Field(1.0, gt=0)  # A -> clip(A, +-advantage.clip) * advantage_max / advantage.clip
+    ema_beta: float = Field(0.0, ge=0)  # weight of mean((v - v_anchor)^2), the anchor a slow EMA of the policy
+    ema_decay: float = Field(0.3, ge=0, lt=1)
+    ema_decay_type: Literal["linear", "constant"] = "linear"  # linear: min(ema_decay, 0.001 x optimizer steps)
+
+    checks_own_timesteps = True  # no SDE log-prob: `check` validates train.timesteps
+
+    def trained_slots(self, cfg) -> list[int] | None:
+        # the K slots of a micro-batch, each drawing its level per visit; `fixed` trains train.timesteps
+        return None if self.timestep_sampling == "fixed" else list(range(self.num_timesteps))
+
+    def check(self, cfg) -> None:
+        refuse_sde_log_prob_keys(cfg, "awm")
+        n = cfg.sample.num_steps
+        if self.timestep_sampling == "fixed":
+            steps = cfg.train_timesteps
+            if not steps or any(j >= n for j in steps):
+                raise ValueError(f"train.timesteps {steps}: train.awm.timestep_sampling=fixed trains these step "
+                                 f"indices; give at least one, each < sample.num_steps={n}")
+            return
+        if cfg.train.timesteps is not None:
+            raise ValueError(f"train.timesteps: only with train.awm.timestep_sampling=fixed (with "
+                             f"{self.timestep_sampling}, train.awm.num_timesteps levels are drawn)")
+        if self.timestep_sampling.startswith("discrete"):
+            end, k = int(n * self.timestep_fraction), self.num_timesteps
+            room = end - 1 if self.timestep_sampling == "discrete_wo_init" else end  # strata of width >= 1
+            if k > room:
+                raise ValueError(f"train.awm.num_timesteps={k}: {self.timestep_sampling} draws distinct steps below "
+                                 f"sample.num_steps x train.awm.timestep_fraction = {end}; at most {room}")
+
 
 _EPS = 1e-10  # inside the (generalised) Huber root, as the authors' code; its root is subtracted so w(0) = 0
 
@@ -106,6 +154,7 @@ def anchor_decay(step: int, decay: float, kind: str) -> float:
 
 class AWM(Loss):
     name = "awm"
+    section = AWMConfig
     headline = {"ratio": ".6f", "clipfrac": ".3f"}  # present when the policy loss is PPO-clipped
     first_of_epoch = ("ratio",)
     needs = RolloutNeeds(log_probs=False, clean_latents=True)

@@ -1,0 +1,105 @@
+"""`train.loss: ppo` (PaCo-GRPO, Flow-GRPO): PPO-clip on the SDE transition log-probs of the noised
+steps, against log pi_old recorded at sampling; one forward with grad per sample and step, plus a
+forward with the adapter disabled for the KL to the base model only when `train.kl_beta > 0`.
+
+With `train.ppo.ratio_norm` (GRPO-Guard, arXiv 2510.22319): the log-ratio gets its bias back and is
+scaled by the transition std (RatioNorm), the step's term is divided by its dt (gradient
+reweighting); the rollout also keeps the sampling transition mean mu_old (no extra forward).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from pydantic import Field
+
+import kernels
+from paco_ds.config import Config, LossSection
+from paco_ds.grpo.losses.base import Loss, RolloutNeeds
+from paco_ds.models.base import Policy
+from paco_ds.sampling.rollout import transition_log_prob
+
+
+class PPOConfig(LossSection):
+    """`train.ppo`: PPO-clip on the SDE transition log-ratio."""
+
+    clip_range: float = Field(1e-4, gt=0)
+    ratio_norm: bool = False  # GRPO-Guard (arXiv 2510.22319): RatioNorm + per-step gradient reweighting
+
+    def check(self, cfg) -> None:
+        if self.ratio_norm and cfg.sample.sde_type != "flow_grpo":
+            raise ValueError("train.ppo.ratio_norm normalises Gaussian log-ratios: it needs sample.sde_type=flow_grpo")
+
+
+def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, mean_old: torch.Tensor,
+               std_dev: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's RatioNorm of per-element-mean Gaussian log-probs: with x' = mu_old + s*eps,
+    log r = -mean((mu - mu_old)^2) / (2 s^2) + mean((mu - mu_old) * eps) / s; the first term is a
+    bias below 0 that grows as s shrinks (low-noise steps). Adding it back and multiplying by s
+    leaves mean((mu - mu_old) * eps), whose scale no longer depends on the step:
+    log r~ = (log pi - log pi_old + mean((mu - mu_old)^2) / (2 s^2)) * s, s = std_t * sqrt(dt)."""
+    s = std_dev.float()
+    bias = (mean.float() - mean_old.float()).pow(2).flatten(1).mean(1) / (2 * s ** 2)
+    return (log_prob.float() - old_log_prob.float() + bias) * s
+
+
+def _moments(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.detach().double()
+    return {f"{prefix}_mean": float(x.mean()), f"{prefix}_sq": float(x.pow(2).mean())}
+
+
+class PPOClip(Loss):
+    name = "ppo"
+    section = PPOConfig
+    headline = {"ratio": ".6f", "clipfrac": ".3f"}
+    first_of_epoch = ("ratio",)  # 1 before the first update of the epoch: a check that old == current
+
+    def __init__(self, cfg: Config, policy: Policy):
+        self.guard = cfg.train.ppo.ratio_norm
+        # The fp32 transition mean is only needed for the KL term and GRPO-Guard's bias.
+        self.return_mean = cfg.train.kl_beta > 0 or self.guard
+        self.needs = RolloutNeeds(log_probs=True, mean_old=self.guard)
+        super().__init__(cfg, policy)
+        self.log_prob = partial(transition_log_prob, policy, guidance=cfg.sample.guidance_scale,
+                                noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+
+    def __call__(self, module, batch, t):
+        cfg = self.cfg
+        step = self.log_prob(module, batch, t, slice(None))
+        dev = step.log_prob.device
+        old = batch.log_prob[:, t].to(dev)
+        if not self.guard:
+            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, batch.advantages.to(dev), cfg.train.ppo.clip_range,
+                                                cfg.advantage.clip, backend=cfg.kernels.backend)
+        else:
+            dt = (batch.sigma[:, t] - batch.sigma_next[:, t]).to(dev).float()
+            z = ratio_norm(step.log_prob, old, step.mean, batch.mean_old[:, t].to(dev), step.std * dt.sqrt())
+            # Gradient reweighting: the step's PPO term / dt; folded into the (already clipped)
+            # advantages, which is exact since dt > 0 and the max of the PPO term is linear in A.
+            adv = batch.advantages.to(dev).float().clamp(-cfg.advantage.clip, cfg.advantage.clip) / dt
+            loss, stats = kernels.ppo_clip_loss(z, torch.zeros_like(z), adv, cfg.train.ppo.clip_range, math.inf,
+                                                backend=cfg.kernels.backend)
+            # every sample's t-th trained step is the same step j unless windows are drawn per group
+            label = f"guard/step{int(batch.steps[0, t])}" if cfg.sample.sde_window is None or \
+                cfg.sample.sde_window.per == "epoch" else f"guard/window{t}"
+            stats = dict(stats, **_moments(f"{label}/logratio_raw", step.log_prob.detach() - old),
+                         **_moments(f"{label}/logratio_norm", z))
+        stats = {k: float(v) for k, v in stats.items()}
+        kl = 0.0
+        if cfg.train.kl_beta > 0:
+            with torch.no_grad(), self.policy.adapter_disabled(module):
+                ref = self.log_prob(module, batch, t, slice(None))
+            kl_t = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=cfg.kernels.backend).mean()
+            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t)
+        stats["kl"] = kl
+        return loss, stats
+
+    def epoch_metrics(self, out):
+        out = super().epoch_metrics(out)
+        for key in [k for k in out if k.endswith("_sq")]:  # second moments -> spreads (std over the epoch)
+            mean = out[key[:-3] + "_mean"]
+            out[key[:-3] + "_std"] = math.sqrt(max(out.pop(key) - mean * mean, 0.0))
+        return out
+
+
