@@ -61,6 +61,13 @@ class MetricsLogger:
                             self.path, n, line)
         keep = [line for line, row in rows if row.get(key, -1) < epoch]
         self.path.write_text("".join(l + "\n" for l in keep))
+        if self.tb is not None:
+            # TensorBoard's own rule for a restart: its events at steps >= `epoch` (the TensorBoard
+            # step is `key`'s value) are hidden, so the re-run steps show once, not twice.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=epoch)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

@@ -1,4 +1,5 @@
-"""metrics.jsonl on resume: a torn last line (a kill mid-write) is dropped with a warning."""
+"""metrics.jsonl and TensorBoard on resume: a torn last line (a kill mid-write) is dropped with a warning,
+and the re-run epochs show once in TensorBoard (purge_step)."""
 import json
 import logging
 
@@ -27,3 +28,23 @@ def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n{"epo\n{"epoch": 1}\n')
     with pytest.raises(DataError, match=r"metrics.jsonl:2: not a JSON object"):
         _logger(tmp_path).truncate_after(1)
+
+
+def test_after_a_resume_tensorboard_has_one_point_per_epoch(tmp_path):
+    """The epochs a resume runs again replace their first values in TensorBoard, read back from the
+    event files with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
+    for epoch in range(4):
+        first.log({"epoch": epoch, "loss": float(epoch)}, step=epoch)
+    first.close()
+    resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=True, resume=True)
+    resumed.truncate_after(2)
+    for epoch in (2, 3, 4):
+        resumed.log({"epoch": epoch, "loss": 10.0 + epoch}, step=epoch)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"), purge_orphaned_data=True)
+    events.Reload()
+    points = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert points == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]
