@@ -24,6 +24,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from paco_ds.data.records import read_jsonl
 from paco_ds.errors import DataError
 
 
@@ -48,19 +49,14 @@ class RankItem:
 
 
 def _jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) of a benchmark file; a missing file or a line that is not a JSON object is
+    one line naming the file (and line)."""
     if not path.is_file():
         raise DataError(f"{path}: no such file (the benchmark folder must hold it)")
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{n}: not JSON ({err.msg})") from None
+    rows = read_jsonl(path)
+    for n, row in rows:
         if not isinstance(row, dict):
             raise DataError(f"{path}:{n}: a record must be a JSON object")
-        rows.append((n, row))
     return rows
 
 
