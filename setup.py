@@ -44,7 +44,9 @@ setup(
         "httpx>=0.27",
         "fastapi>=0.110",
         "starlette>=0.36",  # imported directly (run_in_threadpool); fastapi's own dependency
-        "uvicorn>=0.29",
+        # paco_ds/serving/protocol.py subclasses uvicorn's H11Protocol (private) for the client-side
+        # timeouts; tests/serving/test_hostile_clients.py proves them on the version this range allows.
+        "uvicorn>=0.54,<0.55",
         # The OCR reward's recogniser: PP-OCRv4 as ONNX, the models inside the wheel (runs offline).
         "rapidocr_onnxruntime>=1.3,<2; python_version < '3.13'",
     ],
