@@ -3,8 +3,9 @@
 Rewards are called from a worker thread of the RewardRunner, so the client owns an event loop
 on its own thread and callers block on `run()`; many requests are then in flight at once
 (bounded by `max_concurrency`) without `asyncio.run` per call. Each request retries transient
-failures (connection errors, timeouts, 429 and 5xx) with exponential backoff and jitter within a
-total time budget, then raises a RewardError naming the endpoint and the model. A request the
+failures (connection errors, timeouts, 408, 409, 429 and 5xx) with exponential backoff and jitter,
+waiting at least what the server's `Retry-After` asks, within a total time budget (`RetryPolicy`,
+which the GenEval client shares), then raises a RewardError naming the endpoint and the model. A request the
 server rejects (400, 401, 404) is not retried. `check_model()` asks the server which names it
 serves, so a misspelled model is an error at start-up, not minutes of retries scoring 0.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import difflib
+import email.utils
 import logging
 import math
 import os
@@ -39,11 +41,28 @@ class RetryPolicy:
     budget: float = 120.0  # total seconds for one request, all attempts and waits included
     timeout: float = 60.0  # seconds for one attempt
 
-    def delay(self, attempt: int) -> float:
+    def delay(self, attempt: int, asked: float | None = None) -> float:
         """Exponential backoff with jitter: a uniform draw in [d/2, d] so that clients that failed
-        together do not retry together."""
+        together do not retry together; at least what the server asked for (`Retry-After`), which
+        paco_ds's own judge sends while it sleeps beside training."""
         d = min(self.max_backoff, self.backoff * 2 ** attempt)
-        return random.uniform(d / 2, d)
+        return max(random.uniform(d / 2, d), asked or 0.0)
+
+
+def retry_after(headers) -> float | None:
+    """The seconds a `Retry-After` header asks for (delta-seconds or an HTTP date), None without one."""
+    value = headers.get("retry-after") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 class ChatClient:
@@ -133,7 +152,7 @@ class ChatClient:
                 last = err
             except openai.APIConnectionError as err:  # includes timeouts
                 last = err
-            wait = self.retry.delay(attempt)
+            wait = self.retry.delay(attempt, retry_after(getattr(getattr(last, "response", None), "headers", None)))
             if time.monotonic() + wait >= deadline or attempt + 1 == self.retry.max_attempts:
                 break
             log.debug("%s: %s failed (%s), retrying in %.2fs", self.where, what, _message(last), wait)

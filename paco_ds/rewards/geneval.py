@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import random
+import sys
 import time
 
 import httpx
@@ -34,6 +34,7 @@ import numpy as np
 
 from paco_ds.errors import ConfigError, RewardError
 from paco_ds.rewards.base import Count, JpegQuality, NonNegative, PartialRewardError, Reward, RewardResult, Seconds
+from paco_ds.rewards.client import RETRY_STATUS, RetryPolicy, retry_after
 
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
@@ -87,8 +88,10 @@ class GenEval(Reward):
         if batch_size < 1:
             raise ConfigError(f"geneval.batch_size: {batch_size} (use >= 1)")
         self.url, self.batch_size, self.only_strict = base_url.rstrip("/") + "/", batch_size, only_strict
-        self.jpeg_quality, self.timeout, self.retry_budget = jpeg_quality, timeout, retry_budget
-        self.backoff, self.max_backoff = backoff, max_backoff
+        self.jpeg_quality, self.timeout = jpeg_quality, timeout
+        # the reward clients' one retry rule (paco_ds/rewards/client.py); the budget bounds the attempts
+        self.retry = RetryPolicy(max_attempts=sys.maxsize, backoff=backoff, max_backoff=max_backoff,
+                                 budget=retry_budget, timeout=timeout)
         self.http = httpx.Client(timeout=timeout)
         self.requests = 0
         self._latencies: list[float] = []
@@ -131,13 +134,14 @@ class GenEval(Reward):
                     return answer
                 tail = resp.text.strip().splitlines()[-1:] if resp.content else []
                 last = f"HTTP {resp.status_code}" + (f": {tail[0][:300]}" if tail else "")
-                if resp.status_code < 500:
+                if resp.status_code not in RETRY_STATUS:
                     raise RewardError(f"geneval server {self.url}: request rejected with {last}")
+                asked = retry_after(resp.headers)
             except httpx.TransportError as err:
-                last = f"connection failed ({type(err).__name__})"
-            wait = random.uniform(0.5, 1.0) * min(self.max_backoff, self.backoff * 2 ** attempt)
+                last, asked = f"connection failed ({type(err).__name__})", None
+            wait = self.retry.delay(attempt, asked)
             attempt += 1
-            if time.monotonic() - start + wait > self.retry_budget:
+            if time.monotonic() - start + wait > self.retry.budget:
                 raise RewardError(f"geneval server {self.url}: failed after {attempt} attempts in "
                                   f"{time.monotonic() - start:.1f}s: {last}")
             time.sleep(wait)

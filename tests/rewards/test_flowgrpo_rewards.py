@@ -9,6 +9,7 @@ import math
 import pickle
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -186,8 +187,10 @@ class _Quiet(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _send(self, code, body: bytes, ctype="application/octet-stream"):
+    def _send(self, code, body: bytes, ctype="application/octet-stream", headers: dict | None = None):
         self.send_response(code)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -211,6 +214,7 @@ class _GenEvalServer(_Quiet):
 
     requests: list = []
     fail_next = 0
+    busy_next = 0  # answer this many requests 429 with Retry-After: 1
     evil = False
     scores = None  # answer these 'scores' instead of the brightness
 
@@ -222,6 +226,9 @@ class _GenEvalServer(_Quiet):
             n = len(data["images"])
             return self._send(200, pickle.dumps({"scores": cls.scores[:n], "strict_rewards": [1.0] * n,
                                                  "rewards": [1.0] * n}))
+        if cls.busy_next:
+            cls.busy_next -= 1
+            return self._send(429, b"busy", "text/plain", {"Retry-After": "1"})
         if cls.fail_next:
             cls.fail_next -= 1
             return self._send(500, b"Traceback (most recent call last):\nRuntimeError: CUDA out of memory", "text/plain")
@@ -242,6 +249,7 @@ class _GenEvalServer(_Quiet):
 @pytest.fixture()
 def geneval_server():
     _GenEvalServer.requests, _GenEvalServer.fail_next, _GenEvalServer.evil, _GenEvalServer.scores = [], 0, False, None
+    _GenEvalServer.busy_next = 0
     srv, url = _serve(_GenEvalServer)
     yield url
     srv.shutdown()
@@ -284,6 +292,10 @@ def test_geneval_failures_are_errors_never_zero(geneval_server):
     # A 500 is retried; the answer after it is used.
     _GenEvalServer.fail_next = 2
     assert r(ims, ["a", "b"], GENEVAL_META[:2]).valid.all()
+    # A 429 is retried after the Retry-After the server asked for (1 s), not the 10 ms backoff.
+    _GenEvalServer.busy_next, t0 = 1, time.monotonic()
+    assert r(ims, ["a", "b"], GENEVAL_META[:2]).valid.all()
+    assert time.monotonic() - t0 >= 1.0
     # A server that keeps failing: the batch is a RewardError naming the server and its traceback's last line.
     _GenEvalServer.fail_next = 10 ** 6
     with pytest.raises(PartialRewardError, match=r"HTTP 500: RuntimeError: CUDA out of memory"):
