@@ -225,11 +225,19 @@ def tiny_policy(tiny_cfg):
     import torch
 
     from paco_ds.models.flux import FluxPolicy
+
+    return with_active_lora(FluxPolicy.load(tiny_cfg.model, torch.device("cpu")), tiny_cfg.model.lora)
+
+
+def with_active_lora(policy, lora_cfg, seed: int = 1):
+    """`policy` with a LoRA on its transformer whose B matrices are seeded non-zero values (a fresh
+    adapter's are zero), so that the adapter changes the output."""
+    import torch
+
     from paco_ds.models.lora import add_lora
 
-    policy = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
-    add_lora(policy.transformer, tiny_cfg.model.lora)
-    g = torch.Generator().manual_seed(1)
+    add_lora(policy.transformer, lora_cfg)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.transformer.named_parameters():
             if "lora_B" in name:

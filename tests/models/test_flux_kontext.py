@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
+from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
-from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
 from paco_ds.models.schedule import flux_sigmas
 
@@ -34,13 +35,7 @@ def policy():
     p = build_policy(tiny_cfg(), torch.device("cpu"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        add_lora(p.transformer, tiny_cfg().lora)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, q in p.transformer.named_parameters():
-            if "lora_B" in name:
-                q.copy_(torch.randn(q.shape, generator=g) * 0.05)
-    return p
+        return with_active_lora(p, tiny_cfg().lora)
 
 
 def refs(*sizes, seed=0) -> list[torch.Tensor]:

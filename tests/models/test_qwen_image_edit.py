@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
-from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.sampling.rollout import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
@@ -28,14 +29,7 @@ def _cfg(**kw):
 def policy():
     """The tiny policy with a LoRA whose B matrices are non-zero (so the adapter matters)."""
     cfg = _cfg()
-    p = QwenEditPolicy.load(cfg, CPU)
-    add_lora(p.transformer, cfg.lora)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, prm in p.transformer.named_parameters():
-            if "lora_B" in name:
-                prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
-    return p
+    return with_active_lora(QwenEditPolicy.load(cfg, CPU), cfg.lora)
 
 
 def _ref(h, w, seed):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kernels.sde_reference import sde_step
+from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
-from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas
 from paco_ds.models.tiny.sd3 import SD3_SCHEDULER_CONFIG, save_sd3_folder, tiny_sd3_components
 from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
@@ -31,14 +32,7 @@ def _cfg(**kw) -> ModelConfig:
 def policy():
     """A tiny SD3 policy whose LoRA B matrices are non-zero (so the adapter matters)."""
     torch.manual_seed(0)
-    p = SD3Policy.load(_cfg(), CPU)
-    add_lora(p.transformer, _cfg().lora)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, prm in p.transformer.named_parameters():
-            if "lora_B" in name:
-                prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
-    return p
+    return with_active_lora(SD3Policy.load(_cfg(), CPU), _cfg().lora)
 
 
 @pytest.fixture(scope="module")

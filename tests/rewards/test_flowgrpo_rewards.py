@@ -7,7 +7,6 @@ import io
 import json
 import math
 import pickle
-import socket
 import threading
 import time
 
