@@ -150,6 +150,14 @@ class Clock:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def epoch_done(self, times: dict, t0: float, t3: float, c0: float, micro_steps: int) -> float:
+        """Close an epoch's `times`: training from t3, the epoch from t0, this process's CPU seconds
+        (all its threads) since c0, and the micro-steps trained; returns the reading."""
+        t4 = self.now()
+        times.update(train_s=t4 - t3, epoch_s=t4 - t0, cpu_s=time.process_time() - c0, micro_steps=micro_steps,
+                     trained_steps=micro_steps)
+        return t4
+
 
 def load_policy(args, device):
     import torch
@@ -300,12 +308,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
                 k += 1
                 if k % per_opt == 0:
                     clip_and_step(ctx["params"], ctx["opt"][variant])
-    t4 = clock.now()
-    times["train_s"] = t4 - t3
-    times["epoch_s"] = t4 - t0
-    times["cpu_s"] = time.process_time() - c0  # all threads of this process
-    times["micro_steps"] = micro
-    times["trained_steps"] = micro
+    clock.epoch_done(times, t0, t3, c0, micro)
     times["rollout_transformer_calls"] = rollouts.transformer_calls - calls0  # Rollouts' own count (rows x steps)
     return times
 
@@ -441,12 +444,7 @@ def epoch_reference(ctx, rep: int) -> dict:
                 if k % ga == 0:  # sync_gradients (:1449-1455)
                     clip_and_step(ctx["params"], ctx["opt"]["reference"])
     sync_old(module)  # :1481-1488
-    t4 = clock.now()
-    times["train_s"] = t4 - t3
-    times["epoch_s"] = t4 - t0
-    times["cpu_s"] = time.process_time() - c0  # all threads of this process
-    times["micro_steps"] = micro
-    times["trained_steps"] = micro
+    clock.epoch_done(times, t0, t3, c0, micro)
     return times
 
 
