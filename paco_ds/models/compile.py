@@ -1,8 +1,9 @@
 """`model.compile`: regional compilation of the policy transformer's repeated blocks.
 
 Each of the transformer's repeated blocks (diffusers' `_repeated_blocks`: FLUX's double and
-single blocks, Qwen-Image's blocks) is compiled in place with `nn.Module.compile`, as diffusers'
-`compile_repeated_blocks` does: the blocks of one class share one compiled graph (dynamo inlines
+single blocks, Qwen-Image's blocks) is compiled in place by diffusers' own
+`ModelMixin.compile_repeated_blocks` (`nn.Module.compile` on each): the blocks of one class share
+one compiled graph (dynamo inlines
 modules, so parameters are graph inputs), so compiling 57 FLUX blocks costs about what compiling two
 does, and state-dict keys, LoRA names and checkpoints are those of the eager model. Embedders,
 the final norm and the projection stay eager. Sampling (no grad, eval) and training (grad, train
@@ -30,9 +31,8 @@ def repeated_blocks(transformer: nn.Module) -> list[nn.Module]:
 
 
 def compile_blocks(transformer: nn.Module, **compile_kwargs) -> int:
-    """Compile every repeated block in place; returns how many. `fullgraph=True` makes a graph break
-    inside a block an error instead of a silent slowdown."""
-    blocks = repeated_blocks(transformer)
-    for block in blocks:
-        block.compile(fullgraph=True, **compile_kwargs)
+    """Compile every repeated block in place (diffusers' `compile_repeated_blocks`); returns how many.
+    `fullgraph=True` makes a graph break inside a block an error instead of a silent slowdown."""
+    blocks = repeated_blocks(transformer)  # a family without repeated blocks: the error names the attribute
+    transformer.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
     return len(blocks)
