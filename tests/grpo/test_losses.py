@@ -107,7 +107,7 @@ def test_recipes_validate(recipe):
 
 def test_the_epoch_line_prints_what_the_loss_reports():
     from paco_ds.grpo.losses import NFT, Loss, PPOClip
-    from paco_ds.grpo.trainer import epoch_line
+    from paco_ds.grpo.epoch import epoch_line
 
     class OwnStat(Loss):  # a loss outside paco_ds reports its own statistic
         headline = {"margin": ".2f"}
