@@ -58,7 +58,7 @@ def main(argv=None):
                 changed = check_resume(cfg, path, tuple(args.allow_changed))
                 print(f"resume from: {path}" + (f" (changed settings: {changed})" if changed else ""))
             return
-        from paco_ds.grpo.trainer import run
+        from paco_ds.grpo.run import run
 
         if args.allow_changed and not args.resume:
             raise UserError("--allow-changed goes with --resume")

@@ -67,6 +67,32 @@ class EpochRewards:
             start += n
         return out
 
+    def metrics(self, adv: AdvantageResult) -> dict[str, float]:
+        """The epoch's advantage statistics, each reward's (and reward part's) mean and std over the
+        samples it scored, the aggregated reward's mean and the masked samples' count."""
+        metrics = {f"adv/{k}": v for k, v in adv.stats.items()}
+        for name, part in self.parts.items():
+            metrics[f"reward/{name}/mean"] = float(np.nanmean(part)) if np.isfinite(part).any() else float("nan")
+        for name, s in self.scores.items():
+            ok = self.valid & np.isfinite(s)
+            metrics[f"reward/{name}/mean"] = float(s[ok].mean()) if ok.any() else float("nan")
+            metrics[f"reward/{name}/std"] = float(s[ok].std()) if ok.any() else float("nan")
+        finite = np.isfinite(adv.combined)
+        metrics["reward/combined/mean"] = float(adv.combined[finite].mean()) if finite.any() else float("nan")
+        metrics["reward/masked"] = float((~self.valid).sum())
+        return metrics
+
+
+def judge_latency_metrics(per_rank: list[list[float]]) -> dict[str, float]:
+    """judge/latency_ms_p50 and _p90 over every rank's requests, and the slowest rank's median
+    (a rank routed to a far or overloaded judge shows there); {} without remote rewards."""
+    pooled = np.concatenate([np.asarray(r, dtype=np.float64) for r in per_rank]) * 1000
+    if not pooled.size:
+        return {}
+    return {"judge/latency_ms_p50": float(np.percentile(pooled, 50)),
+            "judge/latency_ms_p90": float(np.percentile(pooled, 90)),
+            "judge/latency_ms_slowest_rank": float(max(np.median(r) for r in per_rank if len(r)) * 1000)}
+
 
 @dataclass
 class AdvantageResult:

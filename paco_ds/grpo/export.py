@@ -6,10 +6,13 @@ and when the recipe keeps an EMA, its shards (one per rank in trainer_state_rank
 each rank holds the r-th slice of every flattened parameter) are put back together in the
 optimizer's parameter order and replace them, as the trainer's own export does. The result is
 written in diffusers' format with the adapter's peft config (rank, alpha, targets) as metadata.
+`export_adapter` is the trainer's own: the live adapter (its EMA swapped in) after the last epoch.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from paco_ds.config import Config
 from paco_ds.errors import UserError
 
 ADAPTER = "default"
+log = logging.getLogger(__name__)
 
 
 def _zero_stage(ckpt: Path) -> int:
@@ -70,6 +74,25 @@ def adapter_config(cfg: Config, names: list[str]) -> dict:
     targets = sorted(t for t in lora.target_modules if any(p.endswith(t) for p in present))
     return {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
             "bias": "none", "use_dora": False, "use_rslora": False, "peft_type": "LORA"}
+
+
+def export_adapter(policy, trainable: list[torch.nn.Parameter], ema, zero3: bool, out_dir: Path,
+                   is_main: bool) -> Path | None:
+    """A training run's (EMA when enabled) adapter in diffusers' format, by rank 0; collective under
+    ZeRO-3 (the adapter is gathered)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from paco_ds.distributed import barrier
+    from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+
+    with ema.swapped_in() if ema is not None else contextlib.nullcontext(), \
+            GatheredParameters(trainable, enabled=zero3):
+        sd = lora_state_dict(policy.transformer) if is_main else None
+    if is_main:
+        path = export_lora(sd, out_dir, adapter_metadata(policy.transformer))
+        log.info("LoRA exported to %s", path)
+    barrier()
+    return out_dir if is_main else None
 
 
 def export_from_checkpoint(cfg: Config, ckpt: Path, out_dir: Path) -> Path:

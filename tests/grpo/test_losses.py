@@ -107,10 +107,10 @@ def test_recipes_validate(recipe):
 
 
 def test_the_epoch_line_prints_what_the_loss_reports():
+    from paco_ds.grpo.epoch import epoch_line
     from paco_ds.grpo.losses.base import Loss
     from paco_ds.grpo.losses.nft import NFT
     from paco_ds.grpo.losses.ppo import PPOClip
-    from paco_ds.grpo.trainer import epoch_line
 
     class OwnStat(Loss):  # a loss outside paco_ds reports its own statistic
         headline = {"margin": ".2f"}

@@ -133,7 +133,7 @@ def test_runner_rejects_zero_batches_in_flight():
 
 
 def test_judge_latency_metrics_pool_ranks_and_name_the_slowest():
-    from paco_ds.grpo.trainer import judge_latency_metrics
+    from paco_ds.grpo.advantages import judge_latency_metrics
 
     m = judge_latency_metrics([[0.010, 0.020, 0.030], [0.200, 0.400], []])
     assert m["judge/latency_ms_p50"] == pytest.approx(30.0)

@@ -100,7 +100,7 @@ def main():
     else:
         raise SystemExit(f"unknown mode {mode}")
     from paco_ds.grpo.plan import load_config
-    from paco_ds.grpo.trainer import run
+    from paco_ds.grpo.run import run
 
     with exit_on_user_error("train"):
         cfg = load_config(config, sets)

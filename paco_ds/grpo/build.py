@@ -1,0 +1,72 @@
+"""The trainer's parts from a recipe: its prompts, the DeepSpeed config of its epoch plan, the
+policy with its adapter, the rewards and the rollouts. The trainer (paco_ds/grpo/trainer.py) builds them after
+seeding every rank alike, in its order: the adapter's initial weights depend on it."""
+from __future__ import annotations
+
+import torch
+
+from paco_ds.config import Config
+from paco_ds.data import PromptItem, load_prompts
+from paco_ds.distributed import DistInfo
+from paco_ds.dtypes import resolve_dtype
+from paco_ds.engine import build_ds_config, load_ds_config, zero_stage
+from paco_ds.grpo.plan import EpochPlan
+from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.models import build_policy
+from paco_ds.models.compile import compile_blocks
+from paco_ds.models.lora import add_lora
+from paco_ds.rewards.runner import RewardRunner
+from paco_ds.serving.manager import endpoints_for_run
+
+
+def prompts(cfg: Config) -> tuple[list[PromptItem], list[PromptItem]]:
+    """The train prompts and the test prompts (data.max_test_prompts of them when set)."""
+    train = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
+    test = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file") \
+        if cfg.data.test_file else []
+    return train, test[:cfg.data.max_test_prompts] if cfg.data.max_test_prompts else test
+
+
+def ds_config(cfg: Config, plan: EpochPlan, dist: DistInfo) -> dict:
+    """The recipe's DeepSpeed config with what the plan fills in: micro-batch, accumulation, clipping."""
+    return build_ds_config(
+        load_ds_config(cfg.resolve_path(cfg.deepspeed.config)), micro_batch=cfg.train.batch_size,
+        grad_accum=plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,
+        bf16=resolve_dtype(cfg.model.dtype, dist.device) == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage,
+        overrides=cfg.deepspeed.overrides)
+
+
+def adapted_policy(cfg: Config, device: torch.device, ds: dict):
+    """The policy with the recipe's LoRA: frozen encoders/VAE per rank; the transformer goes into the
+    engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
+    policy = build_policy(cfg.model, device, ds)
+    add_lora(policy.transformer, cfg.model.lora)
+    if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
+        policy.transformer.enable_gradient_checkpointing()
+    if cfg.model.compile:  # after LoRA: the compiled blocks trace the adapted layers
+        compile_blocks(policy.transformer)
+    return policy
+
+
+def rewards(cfg: Config, dist: DistInfo) -> tuple[RewardRunner, RewardRunner]:
+    """The train and the test rewards; they share the reward models both use."""
+    shared: dict = {}
+    ctx = {"device": str(dist.device), "run_dir": cfg.run_dir,
+           "reward_endpoints": endpoints_for_run(cfg.reward_servers, cfg.run_dir)}
+    train = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap,
+                         cfg.rewards.batches_in_flight, **ctx)
+    test = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else "rewards.train.terms",
+                        shared, batches_in_flight=cfg.rewards.batches_in_flight, **ctx)
+    return train, test
+
+
+def rollouts(cfg: Config, plan: EpochPlan, policy, loss, engine, ds: dict) -> Rollouts:
+    """Rollouts sample with the loss's SDE step, through the engine (or the transformer gathered once).
+    A shared group prefix makes ranks run different numbers of forwards: only where a forward needs
+    no collective (ZeRO-3 gathers per step under rollout_gather=per_step)."""
+    per_step_gather = zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "per_step"
+    return Rollouts(cfg, policy, loss.sde, module=engine,
+                    gather_once=zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "once",
+                    train_timesteps=plan.train_timesteps, needs=loss.needs,
+                    share_prefix=cfg.sample.share_prefix and not per_step_gather)
