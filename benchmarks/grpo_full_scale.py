@@ -84,7 +84,7 @@ def counted_flops() -> dict:
 def sampling_forwards(overrides: list[str]) -> float:
     """Transformer forwards per sampled image under the recipe with these sample.* overrides: the
     steps of its plan (the ODE-only stretches walked in at most ode_steps), and with a shared prefix
-    the steps before the first SDE step once per group of k (as paco_ds/grpo/rollouts.py counts them)."""
+    the steps before the first SDE step once per group of k (as paco_ds/sampling/rollouts.py counts them)."""
     from paco_ds.grpo.plan import load_config
     from paco_ds.sampling.solver import plan_for
 

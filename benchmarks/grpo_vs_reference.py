@@ -203,7 +203,7 @@ def make_batch(args):
     """The epoch's samples: images / group_size prompts, each repeated group_size times, shuffled."""
     import torch
 
-    from paco_ds.sampling.rollout import make_generator
+    from paco_ds.sampling.trajectory import make_generator
 
     n_prompts = args.images // args.group_size
     order = torch.randperm(args.images, generator=make_generator(0, "order")).tolist()
@@ -214,7 +214,7 @@ def make_batch(args):
 
 
 def generators(rep: int, positions):
-    from paco_ds.sampling.rollout import make_generator
+    from paco_ds.sampling.trajectory import make_generator
 
     # the keys Rollouts uses without same_latent (seed 0, epoch = repeat): (a) and (b) start alike
     latent = [make_generator(0, "latent", rep, f"p{p}") for p in positions]
@@ -231,12 +231,12 @@ def clip_and_step(params, opt):
 
 # ---------------------------------------------------------------------------------------------- (a)
 def paco_rollouts(policy, args, variant: str):
-    """The trainer's Rollouts (paco_ds/grpo/rollouts.py) for one of (a)'s variants: the paper's recipe
+    """The trainer's Rollouts (paco_ds/sampling/rollouts.py) for one of (a)'s variants: the paper's recipe
     with this benchmark's shape, seed 0 (so epoch e's latents and noise are the reference's at repeat e)."""
     import kernels
     from paco_ds.grpo.losses.base import RolloutNeeds
     from paco_ds.grpo.plan import load_config
-    from paco_ds.grpo.rollouts import Rollouts
+    from paco_ds.sampling.rollouts import Rollouts
 
     overrides = [o.format(ode_steps=args.ode_steps) for o in PACO_VARIANTS[variant]]
     cfg = load_config(RECIPE, RECIPE_DATA + [
@@ -255,8 +255,8 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
 
     import kernels
     from paco_ds.data import PromptItem
-    from paco_ds.grpo.rollouts import Pick
-    from paco_ds.sampling.rollout import gather_samples, transition_log_prob
+    from paco_ds.sampling.rollouts import Pick
+    from paco_ds.sampling.trajectory import gather_samples, transition_log_prob
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_a"]
     rollouts = ctx["rollouts"][variant]

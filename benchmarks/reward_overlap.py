@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     from paco_ds.data import load_prompts
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.rewards.runner import RewardRunner
-    from paco_ds.sampling.rollout import make_generator, sample_trajectories
+    from paco_ds.sampling.trajectory import make_generator, sample_trajectories
 
     torch.set_num_threads(args.threads)
     cfg = load_config(TINY_RECIPE)

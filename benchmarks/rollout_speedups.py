@@ -2,7 +2,7 @@
 `sample.same_latent`) and fewer solver steps in the ODE-only stretches (`sample.ode_steps`,
 `sample.ode_solver`), side by side with the plain sampler.
 
-1. Sampling (always): the trainer's own rollout code (paco_ds/grpo/rollouts.py) on PaCo-GRPO's T2IS
+1. Sampling (always): the trainer's own rollout code (paco_ds/sampling/rollouts.py) on PaCo-GRPO's T2IS
    shape (10 steps, the SDE at step 1, one image per rollout batch, groups of k) with the
    reduced-depth, full-width FLUX of benchmarks/grpo_vs_reference.py at 128 px, each switch and
    the plain sampler alternating over the repeats. images/s, transformer calls per image, and how
@@ -51,7 +51,7 @@ def sampling(args) -> dict:
     from paco_ds.data import PromptItem
     from paco_ds.grpo.losses.base import RolloutNeeds
     from paco_ds.grpo.plan import load_config
-    from paco_ds.grpo.rollouts import Pick, Rollouts
+    from paco_ds.sampling.rollouts import Pick, Rollouts
 
     device = torch.device(args.device)
     policy = load_policy(args, device)

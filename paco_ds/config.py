@@ -126,7 +126,7 @@ class SampleConfig(Section):
     sde_type: Literal["flow_grpo", "cps"] = "flow_grpo"
     same_latent: bool = False  # one initial noise per group
     # ...whose k images are then equal until the group's first SDE step: those steps are walked once per
-    # group and shared (paco_ds/grpo/rollouts.py; not under deepspeed.rollout_gather=per_step with ZeRO-3)
+    # group and shared (paco_ds/sampling/rollouts.py; not under deepspeed.rollout_gather=per_step with ZeRO-3)
     share_prefix: bool = True
     # Fewer steps where nothing is trained (paco_ds/sampling/solver.py): each ODE-only stretch of a
     # training rollout in at most `ode_steps` steps (null: the schedule's), taken by `ode_solver`.

@@ -147,3 +147,13 @@ def test_nothing_outside_the_trainer_reaches_into_its_private_parts():
     # what it looks for: a trainer's private method, by name or through any object
     assert _reaches_into_the_trainer("trainer._by_size(p, 64)\nt.x._micro_step(b)\nself._micro_step(b)", private) \
         == ["1: trainer._by_size", "2: t.x._micro_step"]
+
+
+def test_a_rollout_walks_down_the_sampling_package():
+    graph = _import_graph()
+    order = ["paco_ds.sampling.rollouts", "paco_ds.sampling.window", "paco_ds.sampling.trajectory",
+             "paco_ds.sampling.solver"]
+    for i, m in enumerate(order):
+        above = set(order[:i + 1])
+        assert not graph[m] & above, f"{m} imports {graph[m] & above}"
+    assert not {d for m in order for d in graph[m] if d.startswith("paco_ds.grpo")}  # sampling sits below the trainer

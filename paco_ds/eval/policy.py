@@ -72,7 +72,7 @@ def _build(cfg, dist):
     import torch
 
     from paco_ds.data import load_prompts
-    from paco_ds.grpo.rollouts import Rollouts
+    from paco_ds.sampling.rollouts import Rollouts
     from paco_ds.models import build_policy
     from paco_ds.models.lora import add_lora
     from paco_ds.rewards.runner import RewardRunner

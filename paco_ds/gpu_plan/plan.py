@@ -147,10 +147,10 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
     from paco_ds.grpo.losses import build_loss
     from paco_ds.grpo.plan import derive
-    from paco_ds.grpo.rollouts import Pick, Rollouts
+    from paco_ds.sampling.rollouts import Pick, Rollouts
     from paco_ds.models import policy_class
     from paco_ds.models.lora import add_lora
-    from paco_ds.sampling.rollout import training_batch
+    from paco_ds.sampling.trajectory import training_batch
 
     t0 = time.perf_counter()
     if cfg.model.tiny:

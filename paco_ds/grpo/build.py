@@ -11,7 +11,7 @@ from paco_ds.distributed import DistInfo
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.engine import build_ds_config, load_ds_config, zero_stage
 from paco_ds.grpo.plan import EpochPlan
-from paco_ds.grpo.rollouts import Rollouts
+from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.lora import add_lora

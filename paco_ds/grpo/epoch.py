@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from paco_ds.sampling.rollout import Trajectory, TrainingBatch, training_batch
+from paco_ds.sampling.trajectory import Trajectory, TrainingBatch, training_batch
 
 
 @dataclass

@@ -42,12 +42,12 @@ from paco_ds.grpo.guards import NonfiniteGuard
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
-from paco_ds.grpo.rollouts import Pick
+from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import make_grid, to_pil
 from paco_ds.metrics import MetricsLogger
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
-from paco_ds.sampling.rollout import TrainingBatch, make_generator
+from paco_ds.sampling.trajectory import TrainingBatch, make_generator
 from paco_ds.sampling.window import window_start
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from paco_ds.config import Config
-from paco_ds.sampling.rollout import make_generator
+from paco_ds.sampling.trajectory import make_generator
 
 
 def window_start(cfg: Config, epoch: int, group: int | None = None) -> int:

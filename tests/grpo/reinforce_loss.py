@@ -15,7 +15,7 @@ from pydantic import Field
 
 from paco_ds.config import LossSection
 from paco_ds.grpo.losses.base import Loss
-from paco_ds.sampling.rollout import transition_log_prob
+from paco_ds.sampling.trajectory import transition_log_prob
 
 
 class ReinforceConfig(LossSection):

@@ -8,8 +8,8 @@ from conftest import REPO, TINY, run_cli
 from paco_ds.data import PromptItem
 from paco_ds.grpo.losses.base import RolloutNeeds
 from paco_ds.grpo.plan import load_config
-from paco_ds.grpo.rollouts import Pick, Rollouts
-from paco_ds.sampling.rollout import transition_log_prob
+from paco_ds.sampling.rollouts import Pick, Rollouts
+from paco_ds.sampling.trajectory import transition_log_prob
 from paco_ds.sampling.solver import Step, multistep_velocity, ode_stretches, step_plan
 
 pytestmark = pytest.mark.fast
@@ -91,7 +91,7 @@ def test_fewer_ode_steps_keep_every_sde_step_and_its_log_prob(tiny_policy):
 
 
 def test_a_trained_step_inside_a_shortened_stretch_is_refused(tiny_policy):
-    from paco_ds.sampling.rollout import sample_trajectories
+    from paco_ds.sampling.trajectory import sample_trajectories
 
     cfg = cfg_with("sample.noise_steps=[1]")
     prompts = ["a red fox in snow"]

@@ -8,7 +8,7 @@ import torch
 
 from paco_ds.models.base import Condition
 from paco_ds.rewards.base import Reward, RewardResult
-from paco_ds.sampling.rollout import (Trajectory, gather_samples, make_generator, sample_trajectories,
+from paco_ds.sampling.trajectory import (Trajectory, gather_samples, make_generator, sample_trajectories,
                                      training_batch, transition_log_prob)
 
 pytestmark = pytest.mark.fast

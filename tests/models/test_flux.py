@@ -6,7 +6,7 @@ import torch
 from paco_ds.data import load_t2is_jsonl
 from paco_ds.images import grid_shape, split_panels, to_pil
 from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
-from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
+from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from conftest import REPO
 
 pytestmark = pytest.mark.fast

@@ -13,7 +13,7 @@ from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
-from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
+from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from paco_ds.models.schedule import flux_sigmas
 
 pytestmark = pytest.mark.fast

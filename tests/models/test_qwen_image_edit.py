@@ -9,7 +9,7 @@ from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
-from paco_ds.sampling.rollout import gather_samples, make_generator, sample_trajectories, transition_log_prob
+from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
 

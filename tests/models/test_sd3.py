@@ -14,7 +14,7 @@ from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas
 from paco_ds.models.tiny.sd3 import SD3_SCHEDULER_CONFIG, save_sd3_folder, tiny_sd3_components
-from paco_ds.sampling.rollout import make_generator, sample_trajectories, transition_log_prob
+from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
 

@@ -22,7 +22,7 @@ import kernels
 from paco_ds.config import Config, LossSection
 from paco_ds.grpo.ema import ShadowWeights
 from paco_ds.models.base import Policy
-from paco_ds.sampling.rollout import Trajectory
+from paco_ds.sampling.trajectory import Trajectory
 
 
 @dataclass(frozen=True)

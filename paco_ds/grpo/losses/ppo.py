@@ -18,7 +18,7 @@ import kernels
 from paco_ds.config import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds
 from paco_ds.models.base import Policy
-from paco_ds.sampling.rollout import transition_log_prob
+from paco_ds.sampling.trajectory import transition_log_prob
 
 
 class PPOConfig(LossSection):

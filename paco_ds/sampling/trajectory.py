@@ -82,7 +82,7 @@ def sample_trajectories(
     `metadata`, `positions`, `group_ids`: each sample's (default: no metadata, its own group at its
     index in the batch). `plan`: the steps (default one per schedule step; paco_ds/sampling/solver.py
     walks ODE-only stretches in fewer); `start`: the schedule index `initial_latents` are at (a
-    group's shared prefix already walked, see paco_ds/grpo/rollouts.py)."""
+    group's shared prefix already walked, see paco_ds/sampling/rollouts.py)."""
     b = len(prompts)
     sigmas = policy.sigmas(num_steps, height, width)
     x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)

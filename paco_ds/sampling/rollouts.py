@@ -21,7 +21,7 @@ from paco_ds.data import PromptItem, read_reference
 from paco_ds.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
-from paco_ds.sampling.rollout import Trajectory, make_generator, ode_prefix, sample_trajectories
+from paco_ds.sampling.trajectory import Trajectory, make_generator, ode_prefix, sample_trajectories
 from paco_ds.sampling.solver import plan_for
 from paco_ds.sampling.window import rollout_steps
 
