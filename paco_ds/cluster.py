@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from paco_ds import processes
 from paco_ds.config import ClusterConfig, JudgePlacement
 from paco_ds.errors import ConfigError, UserError
 from paco_ds.serving.manager import log_tail
@@ -269,41 +270,20 @@ def _port_taken(url: str) -> bool:
     return False
 
 
-def _group_alive(leader: int) -> bool:
-    """Whether any process of the group `leader` leads still runs (zombies do not: a dead launcher's
-    orphans are reaped by whoever adopted them, when it gets to it)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == leader and fields[0] != "Z":
-                return True
-    return False
-
-
 def _stop_group(leader: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group a local helper leads (pdsh exits before its ssh child may), then
     SIGKILL what is left after `timeout`. Its direct children are signalled too, in case pdsh gave
     its ssh a group of its own. `proc`: the helper, when this process started it (to reap it)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == leader:
-                children.append(int(stat.parent.name))
-    for pid in children:
+    for pid in processes.children(leader):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(leader, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def running(group: int) -> bool:
         if proc is not None:
             proc.poll()
-        if not _group_alive(leader):
-            break
-        time.sleep(0.1)
-    else:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(leader, signal.SIGKILL)
+        return processes.group_alive(group)
+
+    processes.stop_groups([leader], signal.SIGTERM, timeout, running=running)
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
@@ -311,18 +291,10 @@ def _stop_group(leader: int, timeout: float = 10.0, proc: subprocess.Popen | Non
 
 def _stop_trainers(leader: int, proc: subprocess.Popen | None = None) -> None:
     """SIGINT to the deepspeed launcher's group (it forwards it and kills pdsh), SIGKILL after 20 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader, signal.SIGINT)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return
-        if not _group_alive(leader):
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader, signal.SIGKILL)
-    if proc is not None:
+    def running(group: int) -> bool:
+        return (proc is None or proc.poll() is None) and processes.group_alive(group)
+
+    if processes.stop_groups([leader], signal.SIGINT, 20.0, running=running) and proc is not None:
         proc.wait()
 
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from paco_ds import processes
 from paco_ds.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -77,25 +78,6 @@ def preempted_since(run_dir: Path, since: float) -> dict | None:
     return record if isinstance(record, dict) and record.get("time", 0) >= since else None
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
-    except OSError:
-        return []
-
-
-def _parent(pid: int) -> int:
-    st = _stat(pid)
-    return int(st[1]) if st else 0
-
-
 def _is_runner(argv: list[str]) -> bool:
     return any(a.endswith("/deepspeed") or a == "deepspeed" or a == "deepspeed.launcher.runner" for a in argv[:3])
 
@@ -104,33 +86,28 @@ def _is_cluster(argv: list[str]) -> bool:
     return any(a.endswith("launch/cluster.py") for a in argv[:3])
 
 
-def launcher_chain(pid: int | None = None) -> list[tuple[int, str]]:
-    """The processes whose end stops this rank, nearest first, as (pid, kernel start time): the
+def launcher_chain(pid: int | None = None) -> list[tuple[int, float]]:
+    """The processes whose end stops this rank, nearest first, as (pid, start time): the
     parent (deepspeed's per-node launcher, torchrun, ...), then the `deepspeed` runner above
     deepspeed's launcher, then `launch/cluster.py` above the runner. Empty for a rank started
     by hand (its parent is a shell that outlives it)."""
     pid = os.getpid() if pid is None else pid
     chain: list[int] = []
-    parent = _parent(pid)
+    parent = processes.parent(pid)
     if parent <= 1:
         return []
-    argv = _cmdline(parent)
+    argv = processes.cmdline(parent)
     if "deepspeed.launcher.launch" in argv or any("torch.distributed.run" in a or a.endswith("/torchrun")
                                                  for a in argv[:3]):
         chain.append(parent)
         if "deepspeed.launcher.launch" in argv:
-            runner = _parent(parent)
-            if runner > 1 and _is_runner(_cmdline(runner)):
+            runner = processes.parent(parent)
+            if runner > 1 and _is_runner(processes.cmdline(runner)):
                 chain.append(runner)
-                above = _parent(runner)
-                if above > 1 and _is_cluster(_cmdline(above)):
+                above = processes.parent(runner)
+                if above > 1 and _is_cluster(processes.cmdline(above)):
                     chain.append(above)
-    return [(p, st[19]) for p in chain if (st := _stat(p)) is not None]
-
-
-def _alive(pid: int, start_time: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] != "Z" and st[19] == start_time
+    return [(p, started) for p in chain if (started := processes.start_time(p)) is not None]
 
 
 class StopControl:
@@ -145,7 +122,7 @@ class StopControl:
         self._exit_code = 143
         self._cleanups: list[Callable[[], object]] = []
         self._lock = threading.Lock()
-        self._watched: list[tuple[int, str]] = []
+        self._watched: list[tuple[int, float]] = []
         self._previous: dict[int, object] = {}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -216,7 +193,7 @@ class StopControl:
         while not self._done.wait(POLL_S):
             if self.reason is None:
                 for pid, start in self._watched:
-                    if not _alive(pid, start):
+                    if not processes.alive(pid, start):
                         self._launcher_gone(pid)
                         break
             if self._deadline is not None and time.monotonic() > self._deadline:

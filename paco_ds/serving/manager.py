@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import httpx
 
 from paco_ds.errors import ConfigError, UserError
+from paco_ds.processes import alive, start_time, stop_groups
 from paco_ds.serving.config import ServersConfig
 from paco_ds.serving.vllm import PYTHON_ENV, on_cpu, split_gpus, vllm_command, vllm_python
 
@@ -135,26 +136,6 @@ def endpoints(specs: list[ServerSpec]) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------
 # Processes and their state
 # ------------------------------------------------------------------------------------------------
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of a process (field 22 of /proc/pid/stat), to recognise it later."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, start_time: str | None = None) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False
-    return start_time is None or _start_time(pid) == start_time
-
-
 def read_state(state_dir: str | Path) -> dict:
     path = Path(state_dir) / STATE_FILE
     if not path.is_file():
@@ -269,7 +250,7 @@ def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = Fa
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     if (state_dir / STATE_FILE).is_file():
-        live = [s for s in read_state(state_dir)["servers"] if _alive(s["pid"], s.get("start_time"))]
+        live = [s for s in read_state(state_dir)["servers"] if alive(s["pid"], s.get("start_time"))]
         if live:
             raise ServerError(f"reward servers recorded in {state_dir} are still running (pids "
                               f"{', '.join(str(s['pid']) for s in live)}); stop them first: "
@@ -298,7 +279,7 @@ def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = Fa
                                         env={**env, **spec.env}, start_new_session=True)
             started.append((spec, proc, log))
             record = {k: v for k, v in asdict(spec).items() if k != "env"}  # the env may hold a token
-            state["servers"].append({**record, "url": spec.url, "pid": proc.pid, "start_time": _start_time(proc.pid),
+            state["servers"].append({**record, "url": spec.url, "pid": proc.pid, "start_time": start_time(proc.pid),
                                      "log": str(log)})
         _write_state(state_dir, state)  # before waiting: `stop` can clean up even if we die now
         _wait(started[-len(group):], cfg.startup_timeout, token)
@@ -319,17 +300,10 @@ def stop(state_dir: str | Path, timeout: float = 10.0) -> list[str]:
     if not (state_dir / STATE_FILE).is_file():
         return []
     servers = read_state(state_dir)["servers"]
-    running = [s for s in reversed(servers) if _alive(s["pid"], s.get("start_time"))]
-    for s in running:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(s["pid"], signal.SIGTERM)  # the group: vLLM's workers too
-    deadline = time.monotonic() + timeout
-    while any(_alive(s["pid"], s.get("start_time")) for s in running) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for s in running:
-        if _alive(s["pid"], s.get("start_time")):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(s["pid"], signal.SIGKILL)
+    running = [s for s in reversed(servers) if alive(s["pid"], s.get("start_time"))]
+    started = {s["pid"]: s.get("start_time") for s in running}
+    # each server leads its own process group: vLLM's workers are stopped with it
+    stop_groups(started, signal.SIGTERM, timeout, running=lambda pid: alive(pid, started[pid]))
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     return [s["name"] for s in running]
 
@@ -338,14 +312,14 @@ def status(state_dir: str | Path) -> list[dict]:
     """Each recorded server with whether its process is alive and what /health answers."""
     out = []
     for s in read_state(state_dir)["servers"]:
-        alive = _alive(s["pid"], s.get("start_time"))
+        running = alive(s["pid"], s.get("start_time"))
         health = "-"
-        if alive:
+        if running:
             try:
                 health = str(httpx.get(f"{s['url']}/health", timeout=2.0).status_code)
             except httpx.HTTPError as err:
                 health = type(err).__name__
-        out.append({**s, "alive": alive, "health": health})
+        out.append({**s, "alive": running, "health": health})
     return out
 
 

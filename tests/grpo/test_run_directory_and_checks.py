@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, one_line_error as _one_line_error, run_cli
+from paco_ds import processes
 from paco_ds.checkpoint import CheckpointManager, CorruptCheckpoint
 from paco_ds.errors import ConfigError, DataError, UserError
 from paco_ds.grpo.plan import check_recipe, load_config
@@ -116,7 +117,7 @@ def test_a_refused_start_does_not_stop_servers_it_did_not_start(tmp_path):
         state_dir.mkdir(parents=True)
         (state_dir / manager.STATE_FILE).write_text(json.dumps({
             "endpoints": {}, "servers": [{"name": "judge", "role": "engine", "url": "http://127.0.0.1:1/v1", "pid": other.pid,
-                                          "start_time": manager._start_time(other.pid)}]}))
+                                          "start_time": processes.start_time(other.pid)}]}))
         cfg = ServersConfig(engine="hf", models=[{"name": "m", "tiny": True}], port=0)
         with pytest.raises(UserError, match="still running"):
             with manager.started_for_run(cfg, tmp_path, local_rank=0):

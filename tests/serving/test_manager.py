@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from conftest import one_line_error as _one_line_error, run_cli
+from paco_ds import processes
 from paco_ds.serving import manager
 from paco_ds.serving.config import ServersConfig
 
@@ -25,7 +26,7 @@ def test_cli_start_status_stop(tmp_path):
         assert out.returncode == 0, out.stderr
         state = json.loads((tmp_path / "servers" / "servers.json").read_text())
         (server,) = state["servers"]
-        assert server["name"] == "judge" and server["port"] > 0 and manager._alive(server["pid"])
+        assert server["name"] == "judge" and server["port"] > 0 and processes.alive(server["pid"])
         url = state["endpoints"]["judge"]
         assert f"model 'judge': base_url {url}" in out.stdout
         assert [m["id"] for m in httpx.get(f"{url}/models").json()["data"]] == ["judge"]
@@ -36,7 +37,7 @@ def test_cli_start_status_stop(tmp_path):
     finally:
         stopped = _cli("stop", "--run-dir", run_dir)
     assert stopped.returncode == 0 and "stopped: judge" in stopped.stdout
-    assert not manager._alive(server["pid"])
+    assert not processes.alive(server["pid"])
     assert "no reward servers recorded" in _one_line_error(_cli("status", "--run-dir", run_dir))
 
 
@@ -85,7 +86,7 @@ def test_servers_owned_by_a_run_start_and_stop_with_it(tmp_path):
         (server,) = manager.read_state(manager.run_state_dir(tmp_path))["servers"]
         assert "--exit-with-parent" in server["argv"]
         assert httpx.get(f"{url}/models").status_code == 200
-    assert not manager._alive(server["pid"])
+    assert not processes.alive(server["pid"])
     assert manager.endpoints_for_run(None, tmp_path) == {}
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/models")

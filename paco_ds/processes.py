@@ -1,0 +1,87 @@
+"""The processes paco_ds watches and stops, read through psutil (as DeepSpeed's own launcher does):
+a process is recognised by its pid and its start time (a pid can be reused), a zombie counts as
+ended, and a stop is one signal, a wait, then SIGKILL for what is left. What to watch and when to
+stop it is the caller's policy (the judge manager, the ranks' stop control, the cluster launcher).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Callable, Iterable
+
+import psutil
+
+
+def start_time(pid: int) -> float | None:
+    """When the process started (seconds since the epoch, from the kernel), None if there is none."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def alive(pid: int, started: float | None = None) -> bool:
+    """Whether `pid` runs (not a zombie) and, given `started`, is the process that started then."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (started is None or proc.create_time() == started)
+    except psutil.Error:
+        return False
+
+
+def parent(pid: int) -> int:
+    """The parent's pid (0 when the process is gone)."""
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return 0
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """The direct children's pids."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
+
+
+def group_alive(leader: int) -> bool:
+    """Whether any process of the group `leader` leads still runs (zombies do not: a dead launcher's
+    orphans are reaped by whoever adopted them, when it gets to it)."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) == leader and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+def signal_group(leader: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, sig)
+
+
+def stop_groups(leaders: Iterable[int], sig: int = signal.SIGTERM, timeout: float = 10.0,
+                running: Callable[[int], bool] = group_alive) -> list[int]:
+    """Send `sig` to each process group, wait up to `timeout` s while any is `running`, then SIGKILL
+    the groups still running; returns those it had to kill."""
+    leaders = list(leaders)
+    for leader in leaders:
+        signal_group(leader, sig)
+    deadline = time.monotonic() + timeout
+    while any(running(g) for g in leaders) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = [g for g in leaders if running(g)]
+    for leader in killed:
+        signal_group(leader, signal.SIGKILL)
+    return killed

@@ -1,0 +1,57 @@
+"""paco_ds/processes.py, the one place that reads processes (psutil): a process is known by pid and
+start time, a zombie has ended, and a group stop signals, waits, then kills what ignored it."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from paco_ds import processes
+
+pytestmark = pytest.mark.fast
+
+# A group leader that ignores SIGTERM, with a child in its group.
+STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('ready', flush=True); "
+            "time.sleep(60)")
+
+
+def _leader(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_process_is_known_by_pid_and_start_time_and_a_zombie_has_ended():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = processes.start_time(proc.pid)
+    assert processes.alive(proc.pid) and processes.alive(proc.pid, started)
+    assert not processes.alive(proc.pid, started - 1.0)  # the pid, reused by another process
+    assert processes.parent(proc.pid) == __import__("os").getpid()
+    assert processes.cmdline(proc.pid)[-1] == "import time; time.sleep(60)"
+    proc.kill()
+    time.sleep(0.2)  # a zombie until reaped: alive() reaps our own child and says it has ended
+    assert not processes.alive(proc.pid, started)
+    assert processes.start_time(proc.pid) is None and processes.parent(proc.pid) == 0
+
+
+def test_a_group_stop_kills_what_ignores_the_signal_after_the_timeout():
+    proc = _leader(STUBBORN)
+    child, = processes.children(proc.pid)
+    assert processes.group_alive(proc.pid)
+    t0 = time.monotonic()
+    killed = processes.stop_groups([proc.pid], signal.SIGTERM, timeout=0.5,
+                                   running=lambda g: proc.poll() is None or processes.group_alive(g))
+    assert killed == [proc.pid] and 0.5 <= time.monotonic() - t0 < 5
+    proc.wait(5)
+    deadline = time.monotonic() + 5
+    while processes.alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not processes.alive(child) and not processes.group_alive(proc.pid)
+
+
+def test_a_group_that_obeys_is_not_killed():
+    proc = _leader("import subprocess, sys, time; print('ready', flush=True); time.sleep(60)")
+    assert processes.stop_groups([proc.pid], timeout=5, running=lambda g: proc.poll() is None) == []
+    assert proc.wait(1) == -signal.SIGTERM
