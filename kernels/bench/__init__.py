@@ -7,4 +7,4 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SDE_OPS = ("sde_fwd", "sde_fwd_bwd", "sde_sample", "kl_fwd_bwd")
-OPS = SDE_OPS + ("advantages", "ppo_fwd_bwd")
+OPS = SDE_OPS + ("grpo_advantages", "ppo_fwd_bwd")

@@ -11,10 +11,9 @@ The backend column names what was asked for; where another backend actually runs
 (`kernels.active_backend`: e.g. "cpp" has no kernel for the PPO loss), the row reads
 "cpp->torch" and its "runs" field says so: a fallback is never reported as a fused kernel.
 
-"advantages" times the whole GRPO advantage step of one epoch, `StatTracker.compute` of
-paco_ds/grpo/advantages.py, with its normalisation in torch ("torch") and, on CUDA, in Triton
-("triton"). That case (run.py) is the one place in kernels/ that imports paco_ds (inside the
-function; `import kernels` never does).
+"grpo_advantages" times `kernels.grpo_advantages` on one epoch's rewards (3 rewards, fp64 on the
+device) in torch and, on CUDA, in Triton. kernels/ imports nothing from paco_ds: the trainer's
+whole advantage step around that op is timed by benchmarks/advantage_step.py.
 
 Writes kernels/bench/results/<device>.json and <device>.png (or under --out).
 

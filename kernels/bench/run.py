@@ -21,7 +21,7 @@ from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref
 C = 64  # FLUX packed latent channels
 NOISE_LEVEL, SIGMA, SIGMA_NEXT = 0.7, 0.9441, 0.8825  # step 1 of FLUX's 512 px, 10-step schedule
 KERNEL_OP = {"sde_fwd": "sde_step", "sde_fwd_bwd": "sde_step", "sde_sample": "sde_step",  # bench op -> kernels op
-             "kl_fwd_bwd": "kl_to_reference", "advantages": "grpo_advantages", "ppo_fwd_bwd": "ppo_clip_loss"}
+             "kl_fwd_bwd": "kl_to_reference", "grpo_advantages": "grpo_advantages", "ppo_fwd_bwd": "ppo_clip_loss"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -149,24 +149,18 @@ def _no_grad_unless(op: str, fn):
     return run
 
 
-def advantage_case(k: int, m: int, fn: str, global_std: bool, device, triton: bool):
-    """The advantage step of an epoch of m prompts x k images with 3 rewards: the StatTracker with the
-    torch backend (and Triton on CUDA), from host arrays to host arrays."""
-    import numpy as np
-
-    from paco_ds.config import AdvantageConfig, AggregationConfig
-    from paco_ds.grpo.advantages import StatTracker
-
+def advantage_case(k: int, m: int, log_tame, global_std: bool, device, triton: bool):
+    """`kernels.grpo_advantages` of an epoch of m prompts x k images with 3 rewards (fp64 on the
+    device): the torch reference, and Triton on CUDA. The trainer's whole advantage step around it
+    (aggregation, masking, group statistics) is benchmarks/advantage_step.py."""
+    g = torch.Generator().manual_seed(0)
     n = k * m
-    rng = np.random.default_rng(0)
-    rewards = {key: rng.random(n) for key in "abc"}
-    ids = np.repeat(rng.choice(100_000, m, replace=False), k)[rng.permutation(n)]
-    weights = {"a": 0.2, "b": 1.0, "c": 1.0}
-    cfg = (AdvantageConfig(global_std=global_std), AggregationConfig(fn=fn))
-    trackers = {"torch": StatTracker(*cfg, weights, backend="torch")}
-    if triton:
-        trackers["triton"] = StatTracker(*cfg, weights, backend="triton")
-    fns = {name: (lambda t=tracker: t.compute(rewards, ids, device=device)) for name, tracker in trackers.items()}
+    rewards = torch.rand(3, n, generator=g, dtype=torch.float64).to(device)
+    ids = torch.arange(m).repeat_interleave(k)[torch.randperm(n, generator=g)].to(device)
+    weights = torch.tensor([0.2, 1.0, 1.0], dtype=torch.float64)
+    backends = ["torch"] + (["triton"] if triton else [])
+    fns = {b: (lambda b=b: kernels.grpo_advantages(rewards, weights, ids, log_tame=log_tame, global_std=global_std,
+                                                   backend=b)) for b in backends}
     return 3 * n * 8 + n * 8 + 2 * n * 8, fns
 
 
@@ -250,8 +244,9 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['op'] if key != last else '':<12} {r['shape'] if key != last else '':<30} {label:<14} "
               f"{r['median_ms']:>10.4f} {r['gbs']:>8.1f} {r['pct_copy']:>6.0f}% {speed:>9}")
         last = key
-    if any(r["op"] == "advantages" for r in rows):
-        print("\n(advantages: the StatTracker's whole advantage step for k x m samples and 3 rewards)")
+    if any(r["op"] == "grpo_advantages" for r in rows):
+        print("\n(grpo_advantages: k x m samples and 3 rewards; the trainer's whole advantage step is "
+              "benchmarks/advantage_step.py)")
 
 
 def plot(path: Path, rows: list[dict], curve: list[dict], copy_gbs: float, title: str) -> None:
@@ -351,13 +346,14 @@ def run(args, argv=None) -> int:
                 dt = args.dtype if op != "kl_fwd_bwd" else "fp32"
                 record(op, f"B={b} L={(px // 16) ** 2} C={C} {dt}", {"px": px, "batch": b, "dtype": dt}, nbytes,
                        side_by_side(timer, fns, rounds))
-    if "advantages" in ops:
+    if "grpo_advantages" in ops:
         for k, m in groups:
-            for fn, global_std in (("log_tame", True), ("weighted_sum", False))[:1 if args.quick else 2]:
-                nbytes, fns = advantage_case(k, m, fn, global_std, device, triton)
+            for log_tame, global_std in (("mean", True), (None, False))[:1 if args.quick else 2]:
+                nbytes, fns = advantage_case(k, m, log_tame, global_std, device, triton)
+                tame = f"log-tame {log_tame}" if log_tame else "no tame"
                 std = "global" if global_std else "group"
-                record("advantages", f"{k}x{m} {fn.replace('_', '-')} {std}-std",
-                       {"group_size": k, "groups": m, "aggregation": fn, "global_std": global_std}, nbytes,
+                record("grpo_advantages", f"{k}x{m} {tame} {std}-std",
+                       {"group_size": k, "groups": m, "log_tame": log_tame, "global_std": global_std}, nbytes,
                        side_by_side(timer, fns, rounds))
     if "ppo_fwd_bwd" in ops:
         for b in ppo_batches:
@@ -375,8 +371,7 @@ def run(args, argv=None) -> int:
               "bytes_model": {"sde_fwd": "read x, v, x'", "sde_fwd_bwd": "fwd reads x, v, x'; bwd reads them again "
                               "and writes dv", "sde_sample": "read x, v, noise; write x'",
                               "kl_fwd_bwd": "fp32 means: fwd reads 2, bwd reads 2 and writes 1",
-                              "advantages": "read rewards [3, N] fp64 and ids, write 2 x [N] fp64 (the whole "
-                              "StatTracker step moves more)",
+                              "grpo_advantages": "read rewards [3, N] fp64 and ids, write 2 x [N] fp64",
                               "ppo_fwd_bwd": "read 3 x [B], write [B] grad"},
               "targets": targets(rows, device), "seconds": round(time.perf_counter() - t_start, 1), "results": rows}
     args.out.mkdir(parents=True, exist_ok=True)

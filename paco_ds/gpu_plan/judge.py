@@ -12,12 +12,12 @@ def judge_request_flops(panel_height: int, panel_width: int, text_tokens: int = 
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from paco_ds.gpu_plan import models as M
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
+    from paco_ds.models.full_size import empty, qwen_vl_config
 
     mode = FakeCuda()
-    tok, config = M.qwen_vl_config()
-    model = M._empty(lambda: Qwen2_5_VLForConditionalGeneration(config))
+    tok, config = qwen_vl_config()
+    model = empty(lambda: Qwen2_5_VLForConditionalGeneration(config))
     to_fake_cuda(mode, model, torch.bfloat16)
     ids = {n: tok.convert_tokens_to_ids(n) for n in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
     gh, gw = max(2, round(panel_height / 28)) * 2, max(2, round(panel_width / 28)) * 2  # patch grid

@@ -1,11 +1,12 @@
 """A full-scale plan of one GRPO epoch's device memory and FLOPs, from the real code path.
 
-`gpu_plan(cfg, world_size, gpu_gib)` builds the recipe's full-size models (models.py) as fake CUDA
-tensors (fake.py), with the recipe's dtype, LoRA and gradient checkpointing, and runs the trainer's
-own code on them with device "cuda": one rollout batch (`Rollouts.sample`: the prompt and
-condition encoding, ODE steps and the SDE step with its log-prob, the decode), the local reward
-models on that batch, and one trained micro-step (the recipe's loss, then backward). Any host/device
-mix or dtype mismatch on that path raises there, as on a GPU.
+`gpu_plan(cfg, world_size, gpu_gib)` builds the recipe's full-size models (the policy's
+`full_size`, each local reward's `Reward.full_size`) as fake CUDA tensors (fake.py), with the
+recipe's dtype, LoRA and gradient checkpointing, and runs the trainer's own code on them with device
+"cuda": one rollout batch (`Rollouts.sample`: the prompt and condition encoding, ODE steps and the
+SDE step with its log-prob, the decode), the local reward models on that batch, and one trained
+micro-step (the recipe's loss, then backward). Any host/device mix or dtype mismatch on that path
+raises there, as on a GPU.
 
 What the pass measures: the live device bytes of every tensor the code creates (activations,
 caches, outputs), the frozen models' weights, and FLOPs (torch.utils.flop_counter). What it adds
@@ -143,12 +144,12 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     `inject(name, fn) -> fn` may wrap the SDE step (tests put a host tensor into its inputs)."""
     from paco_ds.dtypes import resolve_dtype
     from paco_ds.engine import load_ds_config
-    from paco_ds.gpu_plan import models as M
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
     from paco_ds.grpo.losses import build_loss
     from paco_ds.grpo.plan import derive
     from paco_ds.sampling.rollouts import Pick, Rollouts
     from paco_ds.models import policy_class
+    from paco_ds.models.full_size import count
     from paco_ds.models.lora import add_lora
     from paco_ds.sampling.trajectory import training_batch
 
@@ -164,11 +165,15 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     device = torch.device("cuda", 0)
     dtype = resolve_dtype(cfg.model.dtype, device)
     family = cfg.model.family
+    policy_cls = policy_class(family)
+    full = getattr(policy_cls, "full_size", None)
+    if full is None:
+        raise ValueError(f"{policy_cls.__name__} describes no full-size model (its `full_size`)")
     mode = FakeCuda()
     notes: list[str] = list(notes_kernels)
 
     # The transformer with the recipe's LoRA, as the trainer builds it (add_lora on the real module).
-    transformer = M.transformer_for(family)
+    transformer = full.transformer()
     add_lora(transformer, cfg.model.lora)
     to_fake_cuda(mode, transformer, dtype)
     lora = [p for p in transformer.parameters() if p.requires_grad]
@@ -180,17 +185,16 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     if cfg.model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
 
-    if family == "qwen_image_edit":
-        parts = M.qwen_edit_parts(mode, dtype)
-    elif family == "sd3":
-        parts = M.sd3_parts(mode, dtype) | {"max_sequence_length": cfg.model.max_sequence_length}
-    else:
-        parts = M.flux_parts(mode, dtype) | {"max_sequence_length": cfg.model.max_sequence_length}
+    # The policy's other components (VAE, text encoders) on fake CUDA in the dtypes it keeps them in.
+    parts = full.components(cfg.model)
+    for name, m in parts.items():
+        if isinstance(m, torch.nn.Module):
+            to_fake_cuda(mode, m, torch.float32 if name in full.fp32 else dtype)
+            mode.track_module(m, "vae" if name == "vae" else "text encoders")
     # Built under the mode: SD3's constructor encodes the empty negative prompt on the device.
     with mode:
-        policy = policy_class(family)(transformer=transformer, device=device, dtype=dtype, **parts)
-    encoders = [m for m in (getattr(policy, "text_encoder", None), getattr(policy, "text_encoder_2", None),
-                            getattr(policy, "text_encoder_3", None)) if m]
+        policy = policy_cls(transformer=transformer, device=device, dtype=dtype, **parts)
+    encoders = policy.text_encoders()
 
     loss = build_loss(run_cfg, policy)
     if inject is not None:
@@ -228,7 +232,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
             # ---------------------------------------------------------------- scoring
             images = torch.zeros(len(traj), 3, h, w, dtype=torch.uint8)  # host images, as decode hands over
             with mode.measure(SCORING) as scoring, mode.tagged("reward activations"):
-                reward_flops = _score(rewards, traj, images, counter)
+                reward_flops = _score(rewards, traj, images, counter, rollouts.references(traj))
             # ---------------------------------------------------------------- training
             # On fake "meta" tensors: autograd needs a real CUDA context for CUDA tensors.
             from paco_ds.gpu_plan.fake import move_fake
@@ -325,7 +329,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     if mode.ignored:
         notes.append(f"{mode.ignored} data-dependent reads of large device tensors (losses, statistics) read NaN")
     params = {"transformer": n_base + n_lora, "lora": n_lora,
-              "text_encoders": sum(M.count(m) for m in encoders), "vae": M.count(policy.vae)}
+              "text_encoders": sum(count(m) for m in encoders), "vae": count(policy.vae)}
     params["reward_models"] = int(getattr(mode, "reward_params", 0))
     return GpuPlan(recipe=str(cfg.source), family=family, world_size=world_size, gpu_gib=gpu_gib,
                    image_size=(h, w), dtype=str(dtype).replace("torch.", ""),
@@ -348,14 +352,15 @@ def _micro_step(loss_fn, module, batch) -> None:
     loss.backward()
 
 
-def _score(rewards, traj, images: torch.Tensor, counter: _Counter) -> float:
-    """The recipe's local reward models on one rollout batch; remote (judge) rewards run elsewhere."""
+def _score(rewards, traj, images: torch.Tensor, counter: _Counter, refs) -> float:
+    """The recipe's local reward models on one rollout batch (with an edit's reference images, as
+    the trainer passes them); remote (judge) rewards run elsewhere."""
     from paco_ds.images import to_pil
 
     flops = 0.0
     for name, reward in rewards:
         fn = counter.wrap(f"reward:{name}", reward.score)
-        fn(to_pil(images), list(traj.prompts), list(traj.metadata))
+        fn(to_pil(images), list(traj.prompts), list(traj.metadata), refs)
         flops += counter.per_call(f"reward:{name}")
     return flops
 

@@ -127,17 +127,19 @@ def check_lora_targets(cfg: Config) -> None:
     """model.lora.target_modules against the family's transformer, built on the meta device (no
     weights, well under a second at full size): a target that matches nothing is one line now,
     not after the models are loaded. The module names are the architecture's, whatever its size."""
-    from paco_ds.models import POLICIES, policy_class
+    from paco_ds.models import policy_class
 
     targets = cfg.model.lora.target_modules
-    if cfg.model.lora.path or not targets or cfg.model.family not in POLICIES:
-        return  # a saved adapter brings its own targets; a policy outside paco_ds is checked at build
-    if set(targets) <= set(policy_class(cfg.model.family).lora_targets):
+    if cfg.model.lora.path or not targets:
+        return  # a saved adapter brings its own targets
+    policy = policy_class(cfg.model.family)
+    if getattr(policy, "full_size", None) is None:
+        return  # a policy without a full-size description is checked at build
+    if set(targets) <= set(policy.lora_targets):
         return  # the family's own (tests/models/test_family_defaults.py): no build needed (about 4 s)
-    from paco_ds.gpu_plan.models import transformer_for
     from paco_ds.models.lora import check_targets
 
-    check_targets(cfg.model.lora.target_modules, transformer_for(cfg.model.family))
+    check_targets(cfg.model.lora.target_modules, policy.full_size.transformer())
 
 
 def check_compile(cfg: Config) -> None:

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from paco_ds.models.full_size import FullSize
 from paco_ds.models.schedule import ShiftConfig, flux_sigmas
 
 
@@ -112,6 +113,10 @@ class Policy(ABC):
     # names of its own transformer, so no family inherits another's.
     default_path: str
     lora_targets: tuple[str, ...]
+    # The family's full-size model without weights, which `--gpu-memory` plans (paco_ds/gpu_plan):
+    # its real classes built on the meta device from the published configs (models/full_size.py).
+    # None: the family is not planned (one line naming model.family).
+    full_size: FullSize | None = None
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str], condition: "Condition | None" = None) -> TextEmbeds:

@@ -15,10 +15,47 @@ from torch import nn
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
+
+# The full-size model (models/full_size.py), from black-forest-labs/FLUX.1-dev's config files.
+FLUX_TRANSFORMER = {  # FLUX.1-dev and FLUX.1-Kontext-dev share it: 11,901,408,320 parameters
+    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+FLUX_VAE = {
+    "in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+    "act_fn": "silu", "latent_channels": 16, "norm_num_groups": 32, "sample_size": 1024, "scaling_factor": 0.3611,
+    "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False,
+}
+FLUX_SCHEDULER = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
+                  "use_dynamic_shifting": True, "shift": 3.0}
+
+
+def full_size_transformer() -> nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return empty(lambda: FluxTransformer2DModel(**FLUX_TRANSFORMER))
+
+
+def full_size_components(cfg: ModelConfig) -> dict:
+    """The VAE, CLIP-L and T5-XXL on meta, with the offline CLIP and T5 tokenizers."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from paco_ds.models.tiny import clip_tokenizer, t5_tokenizer
+
+    return {"vae": empty(lambda: AutoencoderKL(**FLUX_VAE)),
+            "text_encoder": empty(lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))),
+            "text_encoder_2": t5_xxl(),
+            "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer(), "scheduler_config": dict(FLUX_SCHEDULER),
+            "max_sequence_length": cfg.max_sequence_length}
+
 
 class FluxPolicy(PackedPolicy):
     default_path = "black-forest-labs/FLUX.1-dev"
@@ -29,6 +66,7 @@ class FluxPolicy(PackedPolicy):
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     )
+    full_size = FullSize(full_size_transformer, full_size_components)
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
                  tokenizer, tokenizer_2, scheduler_config: dict, device: torch.device, dtype: torch.dtype,

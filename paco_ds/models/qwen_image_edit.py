@@ -36,6 +36,7 @@ from torch import nn
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
+from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig, calculate_mu
 
@@ -51,6 +52,50 @@ PROMPT_TEMPLATE = (
     "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
     "<|im_start|>assistant\n")
 VL_MULTIPLE = 28  # Qwen2-VL patch 14 x spatial merge 2
+
+# The full-size model (models/full_size.py), from Qwen/Qwen-Image-Edit's config files; its prompt
+# encoder is Qwen2.5-VL-7B-Instruct (full_size.qwen_vl_config).
+QWEN_IMAGE_TRANSFORMER = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": [16, 56, 56],
+}
+QWEN_IMAGE_VAE = {
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "dropout": 0.0,
+    "latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
+                     -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
+    "latents_std": [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579,
+                    1.6382, 1.1253, 2.8251, 1.916],
+}
+QWEN_IMAGE_SCHEDULER = {"base_image_seq_len": 256, "max_image_seq_len": 8192, "base_shift": 0.5, "max_shift": 0.9,
+                        "use_dynamic_shifting": True, "shift": 1.0, "shift_terminal": 0.02,
+                        "time_shift_type": "exponential"}
+QWEN_VL_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280}
+
+
+def full_size_transformer() -> nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+
+    return empty(lambda: QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER))
+
+
+def full_size_components(cfg: ModelConfig) -> dict:
+    """The Qwen-Image VAE and the Qwen2.5-VL-7B prompt encoder on meta, with a processor of the real
+    image geometry (the offline byte-level tokenizer, whose special token ids the model config
+    takes; the vocabulary keeps its real size)."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
+                              Qwen2VLVideoProcessor)
+
+    from paco_ds.models.tiny.qwen_vl import QWEN2_VL_CHAT_TEMPLATE
+
+    tok, config = qwen_vl_config()
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS),
+        video_processor=Qwen2VLVideoProcessor(**QWEN_VL_PIXELS), tokenizer=tok, chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    return {"vae": empty(lambda: AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)),
+            "text_encoder": empty(lambda: Qwen2_5_VLForConditionalGeneration(config)),
+            "processor": processor, "scheduler_config": dict(QWEN_IMAGE_SCHEDULER)}
 
 
 def _resize(image: torch.Tensor, height: int, width: int):
@@ -70,6 +115,7 @@ class QwenEditPolicy(PackedPolicy):
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
+    full_size = FullSize(full_size_transformer, full_size_components)
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, processor,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype):

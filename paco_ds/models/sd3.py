@@ -37,12 +37,55 @@ from torch import nn
 from paco_ds.config import ModelConfig
 from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.models.flux import FLUX_VAE
+from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
 
 CLIP_MAX_LENGTH = 77
+
+# The full-size model (models/full_size.py), from stabilityai/stable-diffusion-3.5-medium's config files.
+SD35_MEDIUM_TRANSFORMER = {  # MMDiT-X, 2,243,171,520 parameters
+    "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "dual_attention_layers": tuple(range(13)),
+    "qk_norm": "rms_norm",
+}
+SD35_VAE = FLUX_VAE | {"scaling_factor": 1.5305, "shift_factor": 0.0609}  # same autoencoder shape as FLUX's
+SD35_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+CLIP_L_PROJ = CLIP_L_TEXT | {"pad_token_id": 1}  # text_encoder: CLIP-L with its projection (768)
+CLIP_G_PROJ = {  # text_encoder_2: OpenCLIP bigG/14's text tower with its projection (1280)
+    "vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+    "num_attention_heads": 20, "max_position_embeddings": 77, "hidden_act": "gelu", "projection_dim": 1280,
+    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
+}
+
+
+def full_size_transformer() -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return empty(lambda: SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER))
+
+
+def full_size_components(cfg: ModelConfig) -> dict:
+    """The VAE (fp32, as the policy keeps it: `full_size.fp32`), CLIP-L and CLIP-G with their
+    projections and T5-XXL on meta, each with its own offline tokenizer (SD3.5 ships one per encoder)."""
+    import copy
+
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from paco_ds.models.tiny import clip_tokenizer, t5_tokenizer
+
+    return {"vae": empty(lambda: AutoencoderKL(**SD35_VAE)),
+            "text_encoder": empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L_PROJ))),
+            "text_encoder_2": empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G_PROJ))),
+            "text_encoder_3": t5_xxl(),
+            "tokenizer": copy.deepcopy(clip_tokenizer()), "tokenizer_2": copy.deepcopy(clip_tokenizer()),
+            "tokenizer_3": copy.deepcopy(t5_tokenizer()), "scheduler_config": dict(SD35_SCHEDULER),
+            "max_sequence_length": cfg.max_sequence_length}
 
 
 def sd3_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -66,6 +109,7 @@ class SD3Policy(PackedPolicy):
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
         "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
     )
+    full_size = FullSize(full_size_transformer, full_size_components, fp32=("vae",))
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
                  text_encoder_3: nn.Module, tokenizer, tokenizer_2, tokenizer_3, scheduler_config: dict,

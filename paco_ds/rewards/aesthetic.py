@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from paco_ds.errors import ConfigError
-from paco_ds.rewards.base import Reward, RewardResult
-from paco_ds.rewards.pickscore import _features
+from paco_ds.rewards.base import FullSizeReward, Reward, RewardResult
+from paco_ds.rewards.pickscore import CLIP_MEAN, CLIP_STD, _features
 
 CLIP = "openai/clip-vit-large-patch14"
 HEAD = ("https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
@@ -62,30 +62,59 @@ def load_head(head: str, dim: int) -> AestheticHead:
     return mlp
 
 
+# openai/clip-vit-large-patch14's vision tower, for the GPU plan (`Aesthetic.full_size`; its text
+# tower is models/full_size.py's CLIP_L_TEXT).
+CLIP_L14_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                   "image_size": 224, "patch_size": 14, "hidden_act": "quick_gelu"}
+BATCH_SIZE = 32
+
+
 class Aesthetic(Reward):
     name = "aesthetic"
 
     def __init__(self, model: str = CLIP, head: str = HEAD, tiny: bool = False, device: str = "cpu",
-                 batch_size: int = 32, dtype: str = "float32"):
+                 batch_size: int = BATCH_SIZE, dtype: str = "float32"):
         if tiny:
             from paco_ds.models.tiny import seeded
             from paco_ds.models.tiny.clip import tiny_clip_model
 
-            self.model, self.processor = tiny_clip_model()
+            clip, processor = tiny_clip_model()
             with seeded(1):
-                self.head = AestheticHead(self.model.config.projection_dim)
+                mlp = AestheticHead(clip.config.projection_dim)
         else:
             from transformers import CLIPModel, CLIPProcessor
 
-            self.model = CLIPModel.from_pretrained(model)
-            self.processor = CLIPProcessor.from_pretrained(model)
-            self.head = load_head(head, self.model.config.projection_dim)
-        self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype, self.name)
+            clip = CLIPModel.from_pretrained(model)
+            processor = CLIPProcessor.from_pretrained(model)
+            mlp = load_head(head, clip.config.projection_dim)
+        self._hold(clip, processor, mlp, device, batch_size, dtype)
         self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         # The head stays fp32: it is tiny, and its output is the score.
         self.head.to(self.device).eval().requires_grad_(False)
+
+    def _hold(self, model, processor, head, device, batch_size: int, dtype: str) -> None:
+        self.model, self.processor, self.head = model, processor, head
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype, self.name)
         self.batch_size = batch_size
+
+    @classmethod
+    def full_size(cls, device, batch_size: int = BATCH_SIZE, dtype: str = "float32", **_) -> FullSizeReward:
+        """CLIP ViT-L/14 and the MLP head on meta, with a processor of CLIP's geometry (the offline
+        CLIP tokenizer; the prompt is not used)."""
+        from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+        from paco_ds.models.full_size import CLIP_L_TEXT, empty
+        from paco_ds.models.tiny import clip_tokenizer
+
+        config = CLIPConfig(text_config=CLIP_L_TEXT, vision_config=CLIP_L14_VISION, projection_dim=768)
+        image_processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                                             image_mean=CLIP_MEAN, image_std=CLIP_STD)
+        reward = cls.__new__(cls)
+        reward._hold(empty(lambda: CLIPModel(config)),
+                     CLIPProcessor(image_processor=image_processor, tokenizer=clip_tokenizer()),
+                     empty(lambda: AestheticHead(config.projection_dim)), device, batch_size, dtype)
+        return FullSizeReward(reward, [(reward.model, reward.dtype), (reward.head, torch.float32)])
 
     @torch.no_grad()
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:

@@ -77,11 +77,28 @@ def model_dtype(device):
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+@dataclass
+class FullSizeReward:
+    """A reward as a run builds it, its local models at full size on the meta device (the real
+    classes from the published configs; no weights, nothing downloaded): what the GPU plan
+    (paco_ds/gpu_plan/rewards.py) puts on its fake device and scores one rollout batch with."""
+
+    reward: "Reward"
+    models: list[tuple[Any, Any]]  # (module, dtype): what the reward keeps on its device, in that dtype
+
+
 class Reward:
     """Subclasses implement `score`; `remote` rewards talk to a reward server."""
 
     name: str = "reward"
     remote: bool = False
+
+    @classmethod
+    def full_size(cls, device, **kwargs) -> FullSizeReward | None:
+        """This reward with its recipe arguments `kwargs` at full size for the GPU plan, on `device`;
+        None where it keeps no model on the device (a remote judge, a reward without a model). A
+        reward with a local model describes it here, beside its constructor."""
+        return None
 
     @classmethod
     def check_record(cls, prompt: str, metadata: dict) -> str | None:

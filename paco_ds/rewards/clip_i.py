@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import Count, LRUCache, Reward, RewardResult, image_digest, model_dtype, reference_images
+from paco_ds.rewards.base import (Count, FullSizeReward, LRUCache, Reward, RewardResult, image_digest, model_dtype,
+                                  reference_images)
+
+
+BATCH_SIZE, CACHE_SIZE = 32, 4096
 
 
 class ClipI(Reward):
     name = "clip_i"
 
     def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
-                 device: str = "cpu", batch_size: Count = 32, cache_size: Count = 4096):
+                 device: str = "cpu", batch_size: Count = BATCH_SIZE, cache_size: Count = CACHE_SIZE):
         import open_clip
 
         if tiny:
@@ -25,14 +29,32 @@ class ClipI(Reward):
 
             model = register_tiny_open_clip()
             with seeded(0):
-                self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=None)
+                clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=None)
         else:
-            self.model, _, self.preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
+            clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
+        self._hold(clip, preprocess, device, batch_size, cache_size)
+        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
+
+    def _hold(self, model, preprocess, device, batch_size: int, cache_size: int) -> None:
+        self.model, self.preprocess = model, preprocess
         self.device = torch.device(device)
         self.dtype = model_dtype(self.device)
-        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.batch_size = batch_size
         self.cache = LRUCache(cache_size)  # image digest -> normalised embedding (CPU)
+
+    @classmethod
+    def full_size(cls, device, model: str = "ViT-H-14", batch_size: int = BATCH_SIZE, cache_size: int = CACHE_SIZE,
+                  **_) -> FullSizeReward:
+        """The open_clip `model` on meta, from open_clip's bundled config (no weights)."""
+        import open_clip
+
+        from paco_ds.models.full_size import empty
+
+        clip, _, preprocess = empty(lambda: open_clip.create_model_and_transforms(model, pretrained=None,
+                                                                                 device="meta"))
+        reward = cls.__new__(cls)
+        reward._hold(clip, preprocess, device, batch_size, cache_size)
+        return FullSizeReward(reward, [(clip, reward.dtype)])
 
     @torch.no_grad()
     def _embed(self, images) -> list[torch.Tensor]:

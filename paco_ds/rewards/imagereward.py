@@ -24,7 +24,7 @@ import torch
 
 from paco_ds.errors import ConfigError
 from paco_ds.rewards.aesthetic import AestheticHead, torch_dtype
-from paco_ds.rewards.base import Count, Reward, RewardResult
+from paco_ds.rewards.base import Count, FullSizeReward, Reward, RewardResult
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward-v1.0's output standardisation
 MAX_TOKENS = 35
@@ -144,32 +144,62 @@ def from_checkpoint(state: dict, vision_heads: int = VISION_HEADS, text_heads: i
     return vision, text, head
 
 
+# ImageReward-v1.0's networks at full size, for the GPU plan (`ImageReward.full_size`): BLIP's ViT-L/16
+# and its BERT-base text encoder (bert-base-uncased's vocabulary and BLIP's two added tokens) with
+# cross-attention to the ViT's 1024-d tokens, as `from_checkpoint` reads them from ImageReward.pt.
+BLIP_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+               "num_attention_heads": VISION_HEADS, "image_size": IMAGE_SIZE, "patch_size": 16, "layer_norm_eps": 1e-6}
+BLIP_TEXT = {"vocab_size": 30524, "hidden_size": 768, "encoder_hidden_size": 1024, "intermediate_size": 3072,
+             "num_hidden_layers": 12, "num_attention_heads": TEXT_HEADS, "max_position_embeddings": 512,
+             "layer_norm_eps": 1e-12}
+BATCH_SIZE = 16
+
+
 class ImageReward(Reward):
     name = "imagereward"
 
     def __init__(self, model: str = "THUDM/ImageReward", tokenizer: str = "bert-base-uncased", tiny: bool = False,
-                 device: str = "cpu", batch_size: Count = 16, dtype: str = "float32"):
+                 device: str = "cpu", batch_size: Count = BATCH_SIZE, dtype: str = "float32"):
         """`model`: a hub repository holding ImageReward.pt, or a local checkpoint file."""
-        self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype, self.name)
+        torch_dtype(dtype, self.name)  # a bad dtype is one line before anything loads
         if tiny:
-            vision, text, self.tokenizer, self.head, size = tiny_blip()
-            self.vision = lambda pix: vision(pixel_values=pix).last_hidden_state
-            self.text = text
-            self.modules = [vision, text]
+            vision, text, tok, head, size = tiny_blip()
         else:
             from transformers import AutoTokenizer
 
-            vision, text, self.head = from_checkpoint(load_checkpoint(model))
-            self.tokenizer, size = AutoTokenizer.from_pretrained(tokenizer), IMAGE_SIZE
-            self.vision = lambda pix: vision(pixel_values=pix).last_hidden_state
-            self.text = text
-            self.modules = [vision, text]
-        self.preprocess = blip_transform(size)
+            vision, text, head = from_checkpoint(load_checkpoint(model))
+            tok, size = AutoTokenizer.from_pretrained(tokenizer), IMAGE_SIZE
+        self._hold(vision, text, head, tok, size, device, batch_size, dtype)
         for m in self.modules:
             m.to(self.device, self.dtype).eval().requires_grad_(False)
         self.head.to(self.device).float().eval().requires_grad_(False)  # fp32: its output is the score
+
+    def _hold(self, vision, text, head, tokenizer, size: int, device, batch_size: int, dtype: str) -> None:
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype, self.name)
+        self.vision = lambda pix: vision(pixel_values=pix).last_hidden_state
+        self.text, self.head, self.tokenizer = text, head, tokenizer
+        self.modules = [vision, text]
+        self.preprocess = blip_transform(size)
         self.batch_size = batch_size
+
+    @classmethod
+    def full_size(cls, device, batch_size: int = BATCH_SIZE, dtype: str = "float32", **_) -> FullSizeReward:
+        """BLIP's ViT-L/16, its text encoder and the MLP head on meta; the offline CLIP tokenizer
+        stands in for bert-base-uncased (prompts are padded to the same 35 tokens)."""
+        from transformers import BlipTextConfig, BlipVisionConfig
+        from transformers.models.blip.modeling_blip import BlipVisionModel
+        from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+        from paco_ds.models.full_size import empty
+        from paco_ds.models.tiny import clip_tokenizer
+
+        vision = empty(lambda: BlipVisionModel(BlipVisionConfig(**BLIP_VISION)))
+        text = empty(lambda: BlipTextModel(BlipTextConfig(**BLIP_TEXT), add_pooling_layer=False))
+        reward = cls.__new__(cls)
+        reward._hold(vision, text, empty(lambda: AestheticHead(BLIP_TEXT["hidden_size"])), clip_tokenizer(),
+                     IMAGE_SIZE, device, batch_size, dtype)
+        return FullSizeReward(reward, [(vision, reward.dtype), (text, reward.dtype), (reward.head, torch.float32)])
 
     @torch.no_grad()
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.runs
 
 
 def test_bench_quick_run_writes_json_and_png(tmp_path):
-    out = run_cli("-m", "kernels.bench", "--quick", "--ops", "sde_fwd_bwd,advantages", "--out", str(tmp_path),
+    out = run_cli("-m", "kernels.bench", "--quick", "--ops", "sde_fwd_bwd,grpo_advantages", "--out", str(tmp_path),
                   timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "cpu.json").read_text())
@@ -17,11 +17,11 @@ def test_bench_quick_run_writes_json_and_png(tmp_path):
     assert report["command"].startswith("OMP_NUM_THREADS=1 python -m kernels.bench --quick --ops")
     assert report["machine"]["cores"] and report["machine"]["torch"] and report["copy_bandwidth_gbs"] > 0
     rows = {(r["op"], r["backend"]) for r in report["results"]}
-    assert {("sde_fwd_bwd", "torch"), ("sde_fwd_bwd", "cpp"), ("advantages", "torch")} <= rows
+    assert {("sde_fwd_bwd", "torch"), ("sde_fwd_bwd", "cpp"), ("grpo_advantages", "torch")} <= rows
     for r in report["results"]:
         assert r["median_ms"] > 0 and r["gbs"] > 0 and r["pct_copy"] > 0
         assert r["runs"] == r["backend"]  # what ran is what the row is named for (a fallback reads "cpp->torch")
-    adv = {r["backend"]: r for r in report["results"] if r["op"] == "advantages"}
+    adv = {r["backend"]: r for r in report["results"] if r["op"] == "grpo_advantages"}
     assert adv["torch"]["speedup_vs_eager"] == 1 and adv["torch"]["groups"] > 0
     assert report["targets"]["backend"] == "cpp" and set(report["targets"]["speedup_vs_eager_by_batch"]) == {"1", "4"}
     assert "sde_fwd_bwd" in out.stdout and "vs eager" in out.stdout

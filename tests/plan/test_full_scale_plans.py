@@ -113,18 +113,38 @@ def test_sd3_pickscore_with_gradient_checkpointing_fits_on_8_x_80(tmp_path):
 def test_sd35_medium_parts_count_their_parameters():
     """SD3.5-Medium's transformer (MMDiT-X: 24 joint blocks, the first 13 with a second image
     attention) and its three text encoders, built on meta from the repo's configs."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from paco_ds.gpu_plan import models as M
-
-    t = M.sd3_transformer()
-    assert M.count(t) == 2_243_171_520
-    assert sum(1 for b in t.transformer_blocks if b.attn2 is not None) == 13
-    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_L_PROJ)))) == 123_650_304
-    assert M.count(M._empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**M.CLIP_G_PROJ)))) == 694_659_840
-    t5 = M.t5_xxl()
-    assert M.count(t5) == 4_762_310_656  # the embedding once, as the checkpoint has it
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
+    from paco_ds.grpo.plan import load_config
+    from paco_ds.models.full_size import count
+    from paco_ds.models.sd3 import SD3Policy
 
+    t = SD3Policy.full_size.transformer()
+    assert count(t) == 2_243_171_520
+    assert sum(1 for b in t.transformer_blocks if b.attn2 is not None) == 13
+    parts = SD3Policy.full_size.components(load_config(REPO / "configs" / "sd3_pickscore.yaml", []).model)
+    assert count(parts["text_encoder"]) == 123_650_304 and count(parts["text_encoder_2"]) == 694_659_840
+    t5 = parts["text_encoder_3"]
+    assert count(t5) == 4_762_310_656  # the embedding once, as the checkpoint has it
     to_fake_cuda(FakeCuda(), t5, torch.bfloat16)
-    assert t5.encoder.embed_tokens.weight is t5.shared.weight and M.count(t5) == 4_762_310_656
+    assert t5.encoder.embed_tokens.weight is t5.shared.weight and count(t5) == 4_762_310_656
+
+
+# ------------------------------------------------------------------------------- local reward models
+def test_each_local_reward_counts_its_own_models(tmp_path):
+    """The plan asks each reward for its full-size models (`Reward.full_size`) and scores the batch
+    through its own `score`: PickScore's CLIP-H (bf16 on a GPU), the aesthetic predictor's CLIP
+    ViT-L/14 and head, ImageReward's BLIP ViT-L/16, text encoder and head (fp32, their default)."""
+    clip_h, clip_l14, head, blip_vit, blip_text = 986_109_441, 427_616_513, 927_969, 303_301_632, 141_977_088
+    plan = _plan("sd3_pickscore.yaml", _sd3_data(tmp_path, "tiny_ocr_train.txt") + [
+        "model.gradient_checkpointing=true", "rewards.train.terms.aesthetic={weight: 1.0}",
+        "rewards.train.terms.imagereward={weight: 1.0}"])
+    assert plan.params["reward_models"] == clip_h + clip_l14 + head + blip_vit + blip_text + head
+    weights = clip_h * 2 + (clip_l14 + blip_vit + blip_text + 2 * head) * 4
+    assert weights <= plan.memory["training"]["reward models"] < weights + 16 * 2 ** 20  # + their buffers
+    assert plan.flops_detail["reward_models"] > 0.35e12  # more than PickScore's alone
+
+
+def test_clip_i_scores_the_edits_against_their_references():
+    plan = _plan("kontext_edit.yaml", EDIT_DATA + ["rewards.train.terms.clip_i={weight: 1.0}"])
+    assert plan.params["reward_models"] == 986_109_441  # open_clip ViT-H-14; the judge runs elsewhere
+    assert plan.flops["scoring"] > 0

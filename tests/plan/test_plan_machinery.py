@@ -19,9 +19,10 @@ def mode():
 
 
 def test_flux_dev_transformer_counts_its_parameters():
-    from paco_ds.gpu_plan.models import count, flux_transformer
+    from paco_ds.models.flux import FluxPolicy
+    from paco_ds.models.full_size import count
 
-    t = flux_transformer()
+    t = FluxPolicy.full_size.transformer()
     assert count(t) == 11_901_408_320
     assert next(t.parameters()).device.type == "meta"  # nothing materialised
 
@@ -94,12 +95,27 @@ def test_gpu_memory_refuses_the_tiny_model():
 
 
 def test_gpu_memory_names_a_family_it_cannot_plan(monkeypatch):
-    """A family with no full-size description in the plan: one line naming the key, not a traceback."""
+    """A family whose policy describes no full-size model: one line naming the key, not a traceback."""
     import paco_ds.gpu_plan as gp
     from paco_ds.errors import ConfigError
     from paco_ds.grpo.plan import load_config
+    from paco_ds.models.sd3 import SD3Policy
 
-    monkeypatch.setattr(gp, "PLANNED_FAMILIES", ("flux", "flux_kontext", "qwen_image_edit"))
+    monkeypatch.setattr(SD3Policy, "full_size", None)
     cfg = load_config(REPO / "configs" / "sd3_pickscore.yaml", [])
-    with pytest.raises(ConfigError, match=r"config key 'model.family'.*'sd3'"):
+    with pytest.raises(ConfigError, match=r"config key 'model.family'.*flux, flux_kontext, qwen_image_edit\); "
+                       r"SD3Policy of 'sd3' has none"):
         gp.print_plan(cfg, 8, 80)
+
+
+def test_every_family_and_local_reward_describes_its_full_size_model():
+    """The plan asks the policy and each reward for its full-size model: every built-in family has
+    one; rewards report their models on the device (none for remote judges and model-free ones)."""
+    from paco_ds.models import POLICIES, policy_class
+    from paco_ds.rewards.registry import REWARDS, reward_class
+
+    assert all(policy_class(name).full_size is not None for name in POLICIES)
+    device = torch.device("cuda", 0)
+    local = {name for name in REWARDS if reward_class(name).full_size(device) is not None}
+    assert local == {"subfig_clipT", "pickscore", "clip_i", "aesthetic", "imagereward"}
+    assert not {name for name in REWARDS if reward_class(name).remote} & local
