@@ -101,7 +101,9 @@ def _pass_config(cfg: Config) -> tuple[Config, int]:
     shapes; the counts multiply); the torch kernels unless the fused ones run on fake tensors."""
     steps = cfg.sample.num_steps
     update: dict = {}
-    plain = cfg.sample.sde_window is None and cfg.train.loss != "awm" and cfg.sample.noise_steps
+    section = cfg.train.loss_section  # a loss that draws its own trained steps (AWM) is planned as it is
+    own_steps = section is not None and section.checks_own_timesteps
+    plain = cfg.sample.sde_window is None and not own_steps and cfg.sample.noise_steps
     if plain:
         first = min(cfg.train_timesteps or cfg.sample.noise_steps)
         steps = min(cfg.sample.num_steps, first + 2)
@@ -197,6 +199,9 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     encoders = policy.text_encoders()
 
     loss = build_loss(run_cfg, policy)
+    # as the trainer: a loss may keep weights of its own (DiffusionNFT's old policy, AWM's anchor)
+    with mode:
+        loss.setup([p for p in transformer.parameters() if p.requires_grad])
     if inject is not None:
         loss.sde = inject("sde_step", loss.sde)
         if hasattr(loss, "log_prob"):

@@ -148,3 +148,11 @@ def test_clip_i_scores_the_edits_against_their_references():
     plan = _plan("kontext_edit.yaml", EDIT_DATA + ["rewards.train.terms.clip_i={weight: 1.0}"])
     assert plan.params["reward_models"] == 986_109_441  # open_clip ViT-H-14; the judge runs elsewhere
     assert plan.flops["scoring"] > 0
+
+
+def test_the_nft_recipe_is_planned_with_its_old_policy():
+    # DiffusionNFT keeps an old adapter (loss.setup, as the trainer calls it) that its rollout and
+    # training swap in: the plan sets it up too, and the recipe fits.
+    plan = _plan("flux_t2is_nft.yaml", T2IS_DATA)
+    assert plan.fits, plan.to_json()["verdict"]
+    assert plan.flops["training"] > 0
