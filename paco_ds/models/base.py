@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
 from paco_ds.models.full_size import FullSize
 from paco_ds.models.schedule import ShiftConfig, flux_sigmas
+
+if TYPE_CHECKING:
+    from paco_ds.config import ModelConfig, TinyModelConfig
 
 
 def _opt(x, fn):
@@ -117,6 +120,43 @@ class Policy(ABC):
     # its real classes built on the meta device from the published configs (models/full_size.py).
     # None: the family is not planned (one line naming model.family).
     full_size: FullSize | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, cfg: "ModelConfig", device: torch.device, ds_config: dict | None = None) -> "Policy":
+        """The family's checkpoint at `cfg.path` (hub id or local directory in diffusers' layout), or
+        its tiny offline parts when `cfg.tiny`. With a ZeRO-3 `ds_config` the transformer is built and
+        loaded partitioned (zero_load.py): each rank holds only its share from the start,
+        bit-identical to a plain load once gathered. The tiny model is always built whole: it has no
+        checkpoint to stream from and is small enough that `deepspeed.initialize` partitioning it
+        afterwards costs nothing."""
+        from paco_ds.dtypes import resolve_dtype
+        from paco_ds.models.zero_load import is_zero3
+
+        dtype = resolve_dtype(cfg.dtype, device)
+        if cfg.tiny:
+            parts = cls.tiny_parts(cfg.tiny_spec)
+        else:
+            parts = cls.from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
+        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
+            move_module(parts["transformer"], device, dtype)
+        return cls(device=device, dtype=dtype, **parts, **cls.options(cfg))
+
+    @classmethod
+    def tiny_parts(cls, spec: "TinyModelConfig") -> dict:
+        """The constructor's components at toy size, built offline (paco_ds/models/tiny/)."""
+        raise NotImplementedError(f"{cls.__name__} has no tiny model (model.tiny)")
+
+    @staticmethod
+    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+        """The constructor's components from a checkpoint; only runs where the weights are."""
+        raise NotImplementedError
+
+    @classmethod
+    def options(cls, cfg: "ModelConfig") -> dict:
+        """Constructor keywords taken from the model section: the prompt length, at most 64 tokens
+        for the tiny text encoders."""
+        return {"max_sequence_length": min(cfg.max_sequence_length, 64) if cfg.tiny else cfg.max_sequence_length}
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str], condition: "Condition | None" = None) -> TextEmbeds:

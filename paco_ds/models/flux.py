@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from paco_ds.config import ModelConfig
-from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
@@ -88,26 +87,13 @@ class FluxPolicy(PackedPolicy):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "FluxPolicy":
-        """With a ZeRO-3 `ds_config` the transformer is built and loaded partitioned (zero_load.py):
-        each rank holds only its share of it from the start, bit-identical to a plain load once
-        gathered. The tiny model is always built whole: it has no checkpoint to stream from and is
-        small enough that `deepspeed.initialize` partitioning it afterwards costs nothing."""
-        dtype = resolve_dtype(cfg.dtype, device)
-        if cfg.tiny:
-            from paco_ds.models.tiny.flux import tiny_flux_components
+    def tiny_parts(cls, spec) -> dict:
+        from paco_ds.models.tiny.flux import tiny_flux_components
 
-            parts = tiny_flux_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
-            max_len = min(cfg.max_sequence_length, 64)
-        else:
-            parts = cls._from_pretrained(cfg.path, cfg.revision, dtype, ds_config=ds_config)
-            max_len = cfg.max_sequence_length
-        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            move_module(parts["transformer"], device, dtype)
-        return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
+        return tiny_flux_components(spec, seed=spec.seed)
 
     @staticmethod
-    def _from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
         """FLUX.1-dev (or a local copy with the same layout); only runs where the weights are.
         Under ZeRO-3 the transformer is loaded partitioned; the rest is small and loaded whole."""
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from paco_ds.config import ModelConfig
-from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
 from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
@@ -139,22 +138,17 @@ class QwenEditPolicy(PackedPolicy):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "QwenEditPolicy":
-        """Qwen-Image-Edit from `cfg.path` (hub id or local directory in diffusers' layout), the
-        transformer partitioned from the start under ZeRO-3; or the tiny offline parts."""
-        dtype = resolve_dtype(cfg.dtype, device)
-        if cfg.tiny:
-            from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
+    def tiny_parts(cls, spec) -> dict:
+        from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
 
-            parts = tiny_qwen_edit_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
-        else:
-            parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
-        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            move_module(parts["transformer"], device, dtype)
-        return cls(device=device, dtype=dtype, **parts)
+        return tiny_qwen_edit_components(spec, seed=spec.seed)
+
+    @classmethod
+    def options(cls, cfg) -> dict:
+        return {}  # the VL encoder reads the whole prompt (and the reference image)
 
     @staticmethod
-    def _from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
         """Only runs where the weights are. Under ZeRO-3 the transformer (20B) is loaded
         partitioned; the VL encoder (7B) and the VAE are loaded whole on every rank."""
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel

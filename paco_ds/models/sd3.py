@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from paco_ds.config import ModelConfig
-from paco_ds.dtypes import resolve_dtype
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.flux import FLUX_VAE
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
@@ -141,24 +140,13 @@ class SD3Policy(PackedPolicy):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "SD3Policy":
-        """SD3.5 from `cfg.path` (hub id or local directory in diffusers' layout), the transformer
-        partitioned from the start under ZeRO-3 (zero_load.py); or the tiny offline parts."""
-        dtype = resolve_dtype(cfg.dtype, device)
-        if cfg.tiny:
-            from paco_ds.models.tiny.sd3 import tiny_sd3_components
+    def tiny_parts(cls, spec) -> dict:
+        from paco_ds.models.tiny.sd3 import tiny_sd3_components
 
-            parts = tiny_sd3_components(cfg.tiny_spec, seed=cfg.tiny_spec.seed)
-            max_len = min(cfg.max_sequence_length, 64)
-        else:
-            parts = cls._from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
-            max_len = cfg.max_sequence_length
-        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            move_module(parts["transformer"], device, dtype)
-        return cls(device=device, dtype=dtype, max_sequence_length=max_len, **parts)
+        return tiny_sd3_components(spec, seed=spec.seed)
 
     @staticmethod
-    def _from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
         """stabilityai/stable-diffusion-3.5-medium (or a local copy with its layout); only runs where
         the weights are. Under ZeRO-3 the transformer is loaded partitioned; the rest whole."""
         import diffusers
