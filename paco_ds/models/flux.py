@@ -15,7 +15,7 @@ from torch import nn
 from paco_ds.config import ModelConfig
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
-from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
+from paco_ds.models.zero_load import load_transformer
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
@@ -101,11 +101,7 @@ class FluxPolicy(PackedPolicy):
 
         kw = {"revision": revision} if revision else {}
         log.info("loading FLUX components from %s", path)
-        if is_zero3(ds_config):
-            transformer = build_partitioned(FluxTransformer2DModel, local_subfolder(path, "transformer", revision),
-                                            ds_config, dtype)
-        else:
-            transformer = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw)
+        transformer = load_transformer(FluxTransformer2DModel, path, revision, dtype, ds_config)
         return {
             "transformer": transformer,
             "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),

@@ -36,7 +36,7 @@ from torch import nn
 from paco_ds.config import ModelConfig
 from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
-from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
+from paco_ds.models.zero_load import load_transformer
 from paco_ds.models.schedule import ShiftConfig, calculate_mu
 
 log = logging.getLogger(__name__)
@@ -156,12 +156,7 @@ class QwenEditPolicy(PackedPolicy):
 
         kw = {"revision": revision} if revision else {}
         log.info("loading Qwen-Image-Edit components from %s", path)
-        if is_zero3(ds_config):
-            transformer = build_partitioned(QwenImageTransformer2DModel,
-                                            local_subfolder(path, "transformer", revision), ds_config, dtype)
-        else:
-            transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype,
-                                                                      **kw)
+        transformer = load_transformer(QwenImageTransformer2DModel, path, revision, dtype, ds_config)
         return {
             "transformer": transformer,
             "vae": AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),

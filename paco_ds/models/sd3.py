@@ -38,7 +38,7 @@ from paco_ds.config import ModelConfig
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.flux import FLUX_VAE
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
-from paco_ds.models.zero_load import build_partitioned, is_zero3, local_subfolder
+from paco_ds.models.zero_load import load_transformer
 from paco_ds.models.schedule import ShiftConfig
 
 log = logging.getLogger(__name__)
@@ -155,11 +155,7 @@ class SD3Policy(PackedPolicy):
 
         kw = {"revision": revision} if revision else {}
         log.info("loading SD3 components from %s", path)
-        if is_zero3(ds_config):
-            transformer = build_partitioned(SD3Transformer2DModel, local_subfolder(path, "transformer", revision),
-                                            ds_config, dtype)
-        else:
-            transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw)
+        transformer = load_transformer(SD3Transformer2DModel, path, revision, dtype, ds_config)
         # The autoencoder class the folder names: SD3.5's AutoencoderKL, or a tiny 8x one (TAESD3's
         # AutoencoderTiny decodes the same latents, faster).
         vae_class = diffusers.AutoencoderKL.load_config(path, subfolder="vae", **kw).get("_class_name", "AutoencoderKL")

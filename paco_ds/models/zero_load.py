@@ -201,3 +201,12 @@ def build_partitioned(cls, folder: str | Path, ds_config: dict, dtype: torch.dty
     module.register_to_config(_name_or_path=str(folder))
     log.info("loaded %s partitioned from %s", cls.__name__, folder)
     return module.eval()
+
+
+def load_transformer(model_cls, path: str, revision: str | None, dtype, ds_config: dict | None):
+    """A family's transformer from the checkpoint's transformer/ folder: built partitioned from the
+    start under a ZeRO-3 `ds_config` (build_partitioned), else loaded whole by diffusers."""
+    if is_zero3(ds_config):
+        return build_partitioned(model_cls, local_subfolder(path, "transformer", revision), ds_config, dtype)
+    kw = {"revision": revision} if revision else {}
+    return model_cls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw)

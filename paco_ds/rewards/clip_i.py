@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from paco_ds.rewards.openclip import load_open_clip, open_clip_on_meta
 from paco_ds.rewards.base import (Count, FullSizeReward, LRUCache, Reward, RewardResult, image_digest, model_dtype,
                                   reference_images)
 
@@ -21,17 +22,7 @@ class ClipI(Reward):
 
     def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
                  device: str = "cpu", batch_size: Count = BATCH_SIZE, cache_size: Count = CACHE_SIZE):
-        import open_clip
-
-        if tiny:
-            from paco_ds.models.tiny import seeded
-            from paco_ds.models.tiny.clip import register_tiny_open_clip
-
-            model = register_tiny_open_clip()
-            with seeded(0):
-                clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=None)
-        else:
-            clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
+        clip, preprocess, model = load_open_clip(model, pretrained, tiny)
         self._hold(clip, preprocess, device, batch_size, cache_size)
         self.model.to(self.device, self.dtype).eval().requires_grad_(False)
 
@@ -46,12 +37,7 @@ class ClipI(Reward):
     def full_size(cls, device, model: str = "ViT-H-14", batch_size: int = BATCH_SIZE, cache_size: int = CACHE_SIZE,
                   **_) -> FullSizeReward:
         """The open_clip `model` on meta, from open_clip's bundled config (no weights)."""
-        import open_clip
-
-        from paco_ds.models.full_size import empty
-
-        clip, _, preprocess = empty(lambda: open_clip.create_model_and_transforms(model, pretrained=None,
-                                                                                 device="meta"))
+        clip, preprocess = open_clip_on_meta(model)
         reward = cls.__new__(cls)
         reward._hold(clip, preprocess, device, batch_size, cache_size)
         return FullSizeReward(reward, [(clip, reward.dtype)])

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from paco_ds.images import grid_shape, split_panels, split_prompt
+from paco_ds.rewards.openclip import load_open_clip, open_clip_on_meta
 from paco_ds.rewards.base import (Count, FullSizeReward, LRUCache, Reward, RewardResult, image_digest,
                                   model_dtype)
 
@@ -23,15 +24,7 @@ class SubfigClipT(Reward):
                  device: str = "cpu", batch_size: Count = BATCH_SIZE, cache_size: Count = CACHE_SIZE):
         import open_clip
 
-        if tiny:
-            from paco_ds.models.tiny import seeded
-            from paco_ds.models.tiny.clip import register_tiny_open_clip
-
-            model, pretrained = register_tiny_open_clip(), None
-            with seeded(0):
-                clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=None)
-        else:
-            clip, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=pretrained)
+        clip, preprocess, model = load_open_clip(model, pretrained, tiny)
         self._hold(clip, preprocess, open_clip.get_tokenizer(model), device, batch_size, cache_size)
         self.model.to(self.device, self.dtype).eval().requires_grad_(False)
 
@@ -48,10 +41,7 @@ class SubfigClipT(Reward):
         """The open_clip `model` on meta, from open_clip's bundled config (no weights)."""
         import open_clip
 
-        from paco_ds.models.full_size import empty
-
-        clip, _, preprocess = empty(lambda: open_clip.create_model_and_transforms(model, pretrained=None,
-                                                                                 device="meta"))
+        clip, preprocess = open_clip_on_meta(model)
         reward = cls.__new__(cls)
         reward._hold(clip, preprocess, open_clip.get_tokenizer(model), device, batch_size, cache_size)
         return FullSizeReward(reward, [(clip, reward.dtype)])

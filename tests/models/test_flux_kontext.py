@@ -247,7 +247,7 @@ def test_zero3_load_goes_through_the_partitioned_builder(tmp_path, monkeypatch):
     folder's transformer/ (the 2-rank load itself is tests/models/test_zero3_load.py's, shared code)."""
     from diffusers import FluxTransformer2DModel
 
-    import paco_ds.models.flux as flux
+    import paco_ds.models.zero_load as zero_load
     from paco_ds.models.flux_kontext import KontextPolicy
     from paco_ds.models.tiny.flux import save_flux_folder
 
@@ -261,7 +261,7 @@ def test_zero3_load_goes_through_the_partitioned_builder(tmp_path, monkeypatch):
         seen.update(cls=cls, folder=folder_, ds_config=ds_config, dtype=dtype)
         return cls.from_pretrained(folder_, torch_dtype=dtype)
 
-    monkeypatch.setattr(flux, "build_partitioned", fake_build)
+    monkeypatch.setattr(zero_load, "build_partitioned", fake_build)
     ds = {"zero_optimization": {"stage": 3}}
     p = KontextPolicy.load(ModelConfig(family="flux_kontext", path=str(folder), dtype="fp32"), torch.device("cpu"),
                            ds_config=ds)
