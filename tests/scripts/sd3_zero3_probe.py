@@ -5,7 +5,6 @@ weights, each rank holds about half of them, and the guided velocity through the
 
 Run under the deepspeed launcher (2 ranks, gloo); writes sd3_zero3_rank<r>.json into --out.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -14,27 +13,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--folder", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
-    args = p.parse_args()
+    from zero3_load_probe import start_probe  # the same start-up as the FLUX probe (this folder)
+
+    args, dist, ds_config = start_probe()
 
     import torch
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     from paco_ds.config import LoraConfig, ModelConfig
-    from paco_ds.distributed import setup_distributed, shutdown_distributed
-    from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report
+    from paco_ds.distributed import shutdown_distributed
+    from paco_ds.engine import create_engine, partition_report
     from paco_ds.models import with_family_defaults
     from paco_ds.models.lora import add_lora
     from paco_ds.models.sd3 import SD3Policy
 
-    dist = setup_distributed()
-    repo = Path(__file__).resolve().parents[2]
-    ds_config = build_ds_config(load_ds_config(repo / "configs" / "deepspeed" / "zero3.json"), micro_batch=1,
-                                grad_accum=1, world_size=dist.world_size, grad_clip=1.0, bf16=False,
-                                overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
     cfg = with_family_defaults(ModelConfig(family="sd3", path=args.folder, dtype="fp32", max_sequence_length=32,
                                            lora=LoraConfig(rank=4, alpha=8)))
     report: dict = {"rank": dist.rank, "world_size": dist.world_size}

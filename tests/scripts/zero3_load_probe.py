@@ -41,27 +41,38 @@ def lora_engine(policy, ds_config, lora_seed: int):
     return engine, named
 
 
-def main():
+def start_probe():
+    """(args, dist, ds_config): --folder and --out, the process group, and the ZeRO-3 engine config
+    the trainer would build, with every parameter partitioned (no persistence threshold)."""
     p = argparse.ArgumentParser()
     p.add_argument("--folder", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
 
-    import torch
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-    from paco_ds.config import ModelConfig
-    from paco_ds.distributed import setup_distributed, shutdown_distributed
-    from paco_ds.engine import build_ds_config, load_ds_config, partition_report
-    from paco_ds.models.base import TextEmbeds
-    from paco_ds.models.flux import FluxPolicy
+    from paco_ds.distributed import setup_distributed
+    from paco_ds.engine import build_ds_config, load_ds_config
 
     dist = setup_distributed()
     repo = Path(__file__).resolve().parents[2]
     ds_config = build_ds_config(load_ds_config(repo / "configs" / "deepspeed" / "zero3.json"), micro_batch=1,
                                 grad_accum=1, world_size=dist.world_size, grad_clip=1.0, bf16=False,
                                 overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    return args, dist, ds_config
+
+
+def main():
+    args, dist, ds_config = start_probe()
+
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from paco_ds.config import ModelConfig
+    from paco_ds.distributed import shutdown_distributed
+    from paco_ds.engine import partition_report
+    from paco_ds.models.base import TextEmbeds
+    from paco_ds.models.flux import FluxPolicy
+
     report: dict = {"rank": dist.rank, "world_size": dist.world_size}
 
     # Weights, in fp32 (the CPU dtype: a cast from the bf16 checkpoint) and in bf16 (the GPU one).
