@@ -65,17 +65,6 @@ def ema_weights(ckpt: Path, shapes: dict[str, torch.Size], stage: int) -> dict[s
     return out
 
 
-def adapter_config(cfg: Config, names: list[str]) -> dict:
-    """The peft config a loader needs: rank, alpha, dropout and the targets that were adapted."""
-    from paco_ds.models import with_family_defaults
-
-    lora = with_family_defaults(cfg.model).lora
-    present = {n.split(".lora_")[0] for n in names}
-    targets = sorted(t for t in lora.target_modules if any(p.endswith(t) for p in present))
-    return {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
-            "bias": "none", "use_dora": False, "use_rslora": False, "peft_type": "LORA"}
-
-
 def export_adapter(policy, trainable: list[torch.nn.Parameter], ema, zero3: bool, out_dir: Path,
                    is_main: bool) -> Path | None:
     """A training run's (EMA when enabled) adapter in diffusers' format, by rank 0; collective under
@@ -83,20 +72,21 @@ def export_adapter(policy, trainable: list[torch.nn.Parameter], ema, zero3: bool
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     from paco_ds.distributed import barrier
-    from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+    from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 
     with ema.swapped_in() if ema is not None else contextlib.nullcontext(), \
             GatheredParameters(trainable, enabled=zero3):
         sd = lora_state_dict(policy.transformer) if is_main else None
     if is_main:
-        path = export_lora(sd, out_dir, adapter_metadata(policy.transformer))
+        path = export_lora(sd, out_dir, adapter_config(policy.transformer))
         log.info("LoRA exported to %s", path)
     barrier()
     return out_dir if is_main else None
 
 
 def export_from_checkpoint(cfg: Config, ckpt: Path, out_dir: Path) -> Path:
-    from paco_ds.models.lora import export_lora
+    from paco_ds.models import with_family_defaults
+    from paco_ds.models.lora import export_lora, peft_config
 
     meta = json.loads((ckpt / "meta.json").read_text())
     stage = _zero_stage(ckpt)
@@ -108,7 +98,7 @@ def export_from_checkpoint(cfg: Config, ckpt: Path, out_dir: Path) -> Path:
         weights = ema
     dtype = weights[next(iter(weights))].dtype
     sd = {k.replace(f".{ADAPTER}.", "."): v.to(dtype).contiguous() for k, v in weights.items()}
-    path = export_lora(sd, out_dir, adapter_config(cfg, list(weights)))
+    path = export_lora(sd, out_dir, peft_config(with_family_defaults(cfg.model).lora, list(weights)))
     print(f"LoRA: {out_dir} (from {ckpt.name}, epoch {meta.get('epoch')}, written by {meta.get('world_size')} "
           f"ranks{', EMA' if ema is not None else ''})", flush=True)
     return path

@@ -69,8 +69,6 @@ def check_targets(targets: list[str], transformer: nn.Module) -> None:
 
 def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Freeze the base and attach a LoRA adapter (or load the one at `cfg.path`)."""
-    from peft import LoraConfig as PeftLoraConfig
-
     transformer.requires_grad_(False)
     if cfg.path:  # a directory with pytorch_lora_weights.safetensors, or the file itself
         path = Path(cfg.path)
@@ -85,9 +83,7 @@ def add_lora(transformer: nn.Module, cfg: LoraConfig) -> nn.Module:
         raise ValueError("model.lora.target_modules is unset: fill in the family's own first "
                          "(paco_ds.models.with_family_defaults)")
     check_targets(cfg.target_modules, transformer)
-    transformer.add_adapter(PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                           init_lora_weights=True if cfg.init == "default" else cfg.init,
-                                           target_modules=list(cfg.target_modules)), adapter_name=ADAPTER)
+    transformer.add_adapter(peft_config(cfg), adapter_name=ADAPTER)
     return transformer
 
 
@@ -98,19 +94,39 @@ def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer, adapter_name=ADAPTER).items()}
 
 
-def adapter_metadata(transformer: nn.Module) -> dict:
-    """The adapter's peft config (rank, alpha, targets): stored with the weights so a loader
-    restores the alpha/r scale instead of assuming alpha = r."""
-    conf = transformer.peft_config[ADAPTER].to_dict()
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in conf.items()}
+def peft_config(cfg: LoraConfig, trained: list[str] | None = None):
+    """The adapter's peft `LoraConfig`: what `add_lora` attaches, and what an export from a
+    checkpoint (no model built) writes, so that both exports carry the same config. `trained`: the
+    adapter's weight names, to keep only the targets that were adapted."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = sorted(cfg.target_modules)
+    if trained is not None:
+        present = {n.split(".lora_")[0] for n in trained}
+        targets = [t for t in targets if any(p == t or p.endswith("." + t) for p in present)]
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                          init_lora_weights=True if cfg.init == "default" else cfg.init, target_modules=targets)
 
 
-def export_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path, metadata: dict | None = None) -> Path:
-    """Write an adapter that FluxPipeline.load_lora_weights(out_dir) loads."""
+def adapter_config(transformer: nn.Module):
+    """The peft config of the adapter `add_lora` attached (rank, alpha, targets)."""
+    return transformer.peft_config[ADAPTER]
+
+
+def config_dict(config) -> dict:
+    """A peft config as JSON-ready data (its sets sorted), as diffusers stores it in the weights file."""
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
+
+
+def export_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path, config) -> Path:
+    """Write an adapter that the family's diffusers pipeline loads (`load_lora_weights(out_dir)`),
+    its peft `config` stored in the weights file (so a loader restores the alpha/r scale instead of
+    assuming alpha = r) and as peft's own adapter_config.json beside it."""
     from diffusers import FluxPipeline
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
-                                   transformer_lora_adapter_metadata=metadata)
+                                   transformer_lora_adapter_metadata=config_dict(config))
+    config.save_pretrained(out_dir)
     return out_dir / LORA_FILE

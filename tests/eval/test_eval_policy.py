@@ -53,7 +53,7 @@ def test_policy_eval_of_a_lora_builds_no_trainer_and_no_optimizer(tmp_path, monk
     from paco_ds.grpo import trainer
     from paco_ds.grpo.plan import load_config
     from paco_ds.models import build_policy
-    from paco_ds.models.lora import adapter_metadata, add_lora, export_lora, lora_state_dict
+    from paco_ds.models.lora import adapter_config, add_lora, export_lora, lora_state_dict
 
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}.items():
@@ -66,7 +66,7 @@ def test_policy_eval_of_a_lora_builds_no_trainer_and_no_optimizer(tmp_path, monk
         for name, p in policy.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
-    export_lora(lora_state_dict(policy.transformer), tmp_path / "lora", adapter_metadata(policy.transformer))
+    export_lora(lora_state_dict(policy.transformer), tmp_path / "lora", adapter_config(policy.transformer))
 
     made, engines = [], []
     init = torch.optim.Optimizer.__init__

@@ -120,6 +120,21 @@ def test_export_lora_from_one_process_matches_the_runs_own_export(full_run, tmp_
     theirs = load_file(full_run / "lora" / "pytorch_lora_weights.safetensors")
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(float(v.abs().max()) > 0 for k, v in ours.items() if "lora_B" in k)  # trained, not the init
+    # One adapter config from both paths, peft's own: peft reads adapter_config.json, diffusers the
+    # same config from the weights file's metadata.
+    import json
+
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+
+    configs = [LoraConfig.from_pretrained(str(d / "lora")) for d in (run, full_run)]
+    assert configs[0].to_dict() == configs[1].to_dict()
+    assert (configs[0].r, configs[0].lora_alpha) == (8, 16) and configs[0].target_modules
+    for d in (run, full_run):
+        _, metadata = FluxPipeline.lora_state_dict(str(d / "lora"), return_lora_metadata=True)
+        stored = json.loads((d / "lora" / "adapter_config.json").read_text())
+        assert metadata["transformer.r"] == stored["r"] == 8  # diffusers keys the metadata by component
+        assert sorted(metadata["transformer.target_modules"]) == sorted(stored["target_modules"])
 
 
 def _dry_resume(full_run, tmp_path, *sets, allow=()):

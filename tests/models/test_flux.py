@@ -5,7 +5,7 @@ import torch
 
 from paco_ds.data import load_t2is_jsonl
 from paco_ds.images import grid_shape, split_panels, to_pil
-from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from conftest import REPO
 
@@ -74,7 +74,7 @@ def test_lora_exports_in_the_format_flux_pipeline_loads(tiny_policy, tiny_cfg, t
 
     from paco_ds.models.tiny.flux import tiny_flux_components
 
-    path = export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_metadata(tiny_policy.transformer))
+    path = export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_config(tiny_policy.transformer))
     assert path.name == "pytorch_lora_weights.safetensors"
     parts = tiny_flux_components(tiny_cfg.model.tiny_spec, seed=0)
     sched = FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config"))
@@ -124,7 +124,7 @@ def test_lora_path_starts_training_from_an_exported_adapter(tiny_policy, tiny_cf
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
 
-    export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_metadata(tiny_policy.transformer))
+    export_lora(lora_state_dict(tiny_policy.transformer), tmp_path, adapter_config(tiny_policy.transformer))
     fresh = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
     add_lora(fresh.transformer, tiny_cfg.model.lora.model_copy(update={"path": str(tmp_path)}))
     trainable = [n for n, p in fresh.transformer.named_parameters() if p.requires_grad]

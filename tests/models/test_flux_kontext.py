@@ -12,7 +12,7 @@ from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
-from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from paco_ds.models.schedule import flux_sigmas
 
@@ -205,7 +205,7 @@ def test_lora_export_loads_into_flux_kontext_pipeline(policy, tmp_path):
     from paco_ds.models.tiny.flux import tiny_flux_components
 
     state = lora_state_dict(policy.transformer)
-    path = export_lora(state, tmp_path, adapter_metadata(policy.transformer))
+    path = export_lora(state, tmp_path, adapter_config(policy.transformer))
     parts = tiny_flux_components(tiny_cfg().tiny_spec, seed=0)
     pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config")), **parts)
     pipe.load_lora_weights(path.parent)

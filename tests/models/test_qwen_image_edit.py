@@ -7,7 +7,7 @@ import torch
 
 from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
-from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
@@ -186,7 +186,7 @@ def test_sigmas_are_qwen_schedulers(policy):
 def test_lora_export_loads_into_qwen_image_edit_pipeline(policy, tmp_path):
     from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_pipeline
 
-    path = export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_metadata(policy.transformer))
+    path = export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_config(policy.transformer))
     pipe = tiny_qwen_edit_pipeline(seed=0)
     pipe.load_lora_weights(tmp_path)
     loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_B" in n]

@@ -11,7 +11,7 @@ from kernels.sde_reference import sde_step
 from conftest import with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
-from paco_ds.models.lora import adapter_metadata, export_lora, lora_state_dict
+from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas
 from paco_ds.models.tiny.sd3 import SD3_SCHEDULER_CONFIG, save_sd3_folder, tiny_sd3_components
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
@@ -204,7 +204,7 @@ def test_ode_sampling_with_guidance_is_the_pipelines(pipe):
 
 
 def test_lora_exports_in_the_format_sd3_pipeline_loads(policy, pipe, tmp_path):
-    export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_metadata(policy.transformer))
+    export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_config(policy.transformer))
     pipe.load_lora_weights(tmp_path)
     emb = policy.encode_prompts(["a fox"])
     x = policy.initial_latents(1, 64, 64, [make_generator(4)])
