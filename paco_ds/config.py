@@ -88,6 +88,9 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = False
     # torch.compile of the transformer's repeated blocks, for sampling and training (paco_ds/models/compile.py)
     compile: bool = False
+    # diffusers' attention dispatcher backend of the transformer (paco_ds/models/attention.py): native
+    # (PyTorch SDPA) when unset; flash, _flash_3, sage, _native_flash, ... on GPUs
+    attention_backend: str | None = None
     max_sequence_length: int = Field(512, gt=0)
     allow_tf32: bool = True
 

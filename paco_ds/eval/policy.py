@@ -73,7 +73,8 @@ def _build(cfg, dist):
 
     from paco_ds.data import load_prompts
     from paco_ds.sampling.rollouts import Rollouts
-    from paco_ds.models import build_policy
+    from paco_ds.models import build_policy, policy_class
+    from paco_ds.models.attention import check_attention_backend, set_attention_backend
     from paco_ds.models.lora import add_lora
     from paco_ds.rewards.runner import RewardRunner
     from paco_ds.serving.manager import endpoints_for_run
@@ -85,8 +86,10 @@ def _build(cfg, dist):
     if cfg.data.max_test_prompts:
         items = items[:cfg.data.max_test_prompts]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dist.device)
     policy = build_policy(cfg.model, dist.device)  # whole on each rank: inference holds no optimizer state
     add_lora(policy.transformer, cfg.model.lora)
+    set_attention_backend(policy.transformer, cfg.model.attention_backend)
     policy.transformer.requires_grad_(False).to(policy.dtype)  # the adapter in the model's dtype, as the engine holds it
     rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else "rewards.train.terms",
                            batches_in_flight=cfg.rewards.batches_in_flight, device=str(dist.device),

@@ -13,6 +13,7 @@ from paco_ds.engine import build_ds_config, load_ds_config, zero_stage
 from paco_ds.grpo.plan import EpochPlan
 from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy
+from paco_ds.models.attention import set_attention_backend
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.lora import add_lora
 from paco_ds.rewards.runner import RewardRunner
@@ -42,6 +43,7 @@ def adapted_policy(cfg: Config, device: torch.device, ds: dict):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
     policy = build_policy(cfg.model, device, ds)
     add_lora(policy.transformer, cfg.model.lora)
+    set_attention_backend(policy.transformer, cfg.model.attention_backend)  # checked at start-up (run.py)
     if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
         policy.transformer.enable_gradient_checkpointing()
     if cfg.model.compile:  # after LoRA: the compiled blocks trace the adapted layers

@@ -153,6 +153,15 @@ def check_compile(cfg: Config) -> None:
         raise ConfigError(ZERO3_REFUSAL)
 
 
+def check_attention(cfg: Config) -> None:
+    """model.attention_backend: a backend diffusers knows, installed, for a family whose attention
+    dispatches (its device is checked by the training processes, paco_ds/grpo/run.py)."""
+    from paco_ds.models import policy_class
+    from paco_ds.models.attention import check_attention_backend
+
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family))
+
+
 def check_deepspeed_config(cfg: Config) -> None:
     from paco_ds.engine import load_ds_config
 
@@ -171,5 +180,6 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
         check_lora_file(cfg.model.lora.path, "config key 'model.lora.path':")
     check_deepspeed_config(cfg)
     check_compile(cfg)
+    check_attention(cfg)
     check_lora_targets(cfg)
     check_writable(cfg.run_dir, "output_dir")

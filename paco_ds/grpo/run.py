@@ -31,6 +31,7 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     from paco_ds.runlock import owned_run_dir
 
     check_recipe(cfg, dist.world_size)
+    check_device_choices(cfg, dist.device)
     ckpt = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
     if resume:
         from paco_ds.grpo.preflight import check_resume
@@ -51,6 +52,15 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
         finally:
             trainer.close()
     shutdown_distributed()
+
+
+def check_device_choices(cfg: Config, device) -> None:
+    """What only the training processes can check, knowing their device (`--dry-run` may run on a
+    machine without the GPUs): that the attention backend runs there."""
+    from paco_ds.models import policy_class
+    from paco_ds.models.attention import check_attention_backend
+
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), device)
 
 
 def _export_only(cfg: Config, spec: str | Path) -> None:

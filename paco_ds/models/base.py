@@ -120,6 +120,9 @@ class Policy(ABC):
     # its real classes built on the meta device from the published configs (models/full_size.py).
     # None: the family is not planned (one line naming model.family).
     full_size: FullSize | None = None
+    # Whether the transformer's attention goes through diffusers' attention dispatcher, so that
+    # `model.attention_backend` can choose its kernel (paco_ds/models/attention.py).
+    attention_dispatch: bool = False
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -58,6 +58,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
 
 class FluxPolicy(PackedPolicy):
     default_path = "black-forest-labs/FLUX.1-dev"
+    attention_dispatch = True  # FluxAttnProcessor dispatches (diffusers' attention_dispatch)
     # PaCo-RL's targets (scripts/train_flux.py in github.com/X-GenGroup/PaCo-RL): attention and MLP
     # of both streams of the double blocks; the names that also exist in single blocks match there.
     lora_targets = (

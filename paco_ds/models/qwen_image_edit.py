@@ -107,6 +107,7 @@ def _resize(image: torch.Tensor, height: int, width: int):
 
 class QwenEditPolicy(PackedPolicy):
     default_path = DEFAULT_PATH
+    attention_dispatch = True  # QwenDoubleStreamAttnProcessor2_0 dispatches
     # Attention and MLP of both streams in Qwen-Image's own names: its MLPs are img_mlp/txt_mlp,
     # so FLUX's ff/ff_context names would leave them without LoRA.
     lora_targets = (

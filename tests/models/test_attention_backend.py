@@ -1,0 +1,62 @@
+"""`model.attention_backend` (paco_ds/models/attention.py): diffusers' attention dispatcher backend of
+the policy's transformer, refused in one line before anything loads where it cannot run, and
+applied to every attention processor where it can."""
+import pytest
+import torch
+
+from conftest import TINY, one_line_error, run_cli
+from paco_ds.errors import ConfigError
+from paco_ds.grpo.plan import check_recipe, load_config
+from paco_ds.grpo.run import check_device_choices
+from paco_ds.models.attention import check_attention_backend, set_attention_backend
+from paco_ds.models.flux import FluxPolicy
+from paco_ds.models.sd3 import SD3Policy
+
+pytestmark = pytest.mark.fast
+
+
+def _refused(*sets, recipe=TINY) -> str:
+    with pytest.raises(ConfigError) as err:
+        check_recipe(load_config(recipe, list(sets)), 2)  # what --dry-run runs
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_what_cannot_run_is_one_line_naming_the_key_before_anything_loads():
+    assert "unknown attention backend 'flsh' (did you mean 'flash'?)" in _refused("model.attention_backend=flsh")
+    assert "downloads its kernel from the Hugging Face Hub" in _refused("model.attention_backend=flash_hub")
+    # flash-attn is not installed here: diffusers' own requirement, as one line
+    assert "install `flash-attn" in _refused("model.attention_backend=flash")
+    # SD3's joint attention calls SDPA itself: a backend would silently change nothing
+    msg = _refused("model.attention_backend=_native_flash", recipe="configs/tiny/sd3_geneval.yaml")
+    assert "SD3Policy" in msg and "dispatcher" in msg
+    for ok in ("native", "_native_flash"):  # known and installed; the device is the training processes' check
+        check_recipe(load_config(TINY, [f"model.attention_backend={ok}"]), 2)
+    check_attention_backend("native", SD3Policy)  # what SD3 runs anyway
+
+
+def test_the_training_processes_refuse_a_gpu_backend_on_a_cpu():
+    cfg = load_config(TINY, ["model.attention_backend=_native_flash"])
+    with pytest.raises(ConfigError, match=r"'_native_flash' runs on CUDA devices; this process runs on cpu"):
+        check_device_choices(cfg, torch.device("cpu"))
+    check_device_choices(load_config(TINY, ["model.attention_backend=_native_math"]), torch.device("cpu"))
+
+
+def test_the_dry_run_exits_2_with_the_line():
+    line = one_line_error(run_cli("launch/train.py", "--config", str(TINY), "--dry-run", "--set",
+                                  "model.attention_backend=flsh"))
+    assert "config key 'model.attention_backend': unknown attention backend 'flsh'" in line
+
+
+def test_the_backend_reaches_every_attention_processor_and_keeps_the_output(tiny_cfg):
+    policy = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
+    emb = policy.encode_prompts(["a red fox"])
+    x = policy.initial_latents(1, 64, 64, [torch.Generator().manual_seed(0)])
+    with torch.no_grad():
+        before = policy.velocity(policy.transformer, x, 0.7, emb, 64, 64, 3.5)
+        set_attention_backend(policy.transformer, "_native_math")
+        after = policy.velocity(policy.transformer, x, 0.7, emb, 64, 64, 3.5)
+    backends = {str(getattr(m.processor, "_attention_backend", None).value) for m in policy.transformer.modules()
+                if hasattr(getattr(m, "processor", None), "_attention_backend")}
+    assert backends == {"_native_math"}
+    assert torch.allclose(before, after, atol=1e-5)
