@@ -103,6 +103,33 @@ def test_sleep_drains_requests_in_flight_and_needs_the_token(judge):
     assert _chat(url).status_code == 200
 
 
+def test_a_request_to_a_sleeping_judge_is_answered_after_its_wake(judge):
+    """The reward client meets the sleeping judge's 503 + Retry-After: 1 and retries at that pace
+    (its own backoff here is 10 ms) until the judge wakes, within its budget."""
+    import time
+
+    from paco_ds.rewards.client import ChatClient, RetryPolicy
+
+    state, _ = judge
+    url = state["servers"][0]["url"]
+    helper = JudgeSleep([f"{url}/v1"], TOKEN)
+    helper.sleep()
+    refused_before = httpx.get(f"{url}/stats", headers=H).json()["errors_503"]
+    client = ChatClient(f"{url}/v1", MODEL, api_key=TOKEN, retry=RetryPolicy(backoff=0.01, max_backoff=0.01, budget=60))
+    waker = threading.Timer(1.5, helper.wake)
+    t0 = time.monotonic()
+    waker.start()
+    try:
+        top = client.run([client.first_token_logprobs([{"type": "text", "text": REQUEST["messages"][0]["content"]}],
+                                                      20)])[0]
+    finally:
+        client.close()
+        waker.join()
+    assert len(top) == 20 and time.monotonic() - t0 >= 1.5
+    refused = httpx.get(f"{url}/stats", headers=H).json()["errors_503"] - refused_before
+    assert 1 <= refused <= 3  # about one refusal per second asleep, not one per 10 ms
+
+
 def test_helper_names_a_judge_that_does_not_answer():
     with pytest.raises(JudgeSleepError, match=r"judge http://127.0.0.1:9: POST /sleep\?level=1&mode=wait failed"):
         JudgeSleep(["http://127.0.0.1:9/v1"]).sleep()
