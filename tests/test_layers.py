@@ -101,11 +101,20 @@ def test_layers():
     assert not {d for d in graph["paco_ds.images"] if d.startswith("paco_ds")}
     assert not {d for m, deps in graph.items() if m.startswith("paco_ds.rewards") for d in deps
                 if d.startswith("paco_ds.sampling")}
+    # Each layer imports nothing from the layers above it.
+    above = {"paco_ds.models": ("grpo", "sampling", "serving", "rewards", "eval", "gpu_plan", "sft", "cluster"),
+             "paco_ds.rewards": ("grpo", "gpu_plan", "sft", "eval", "cluster"),
+             "paco_ds.sampling": ("grpo", "rewards", "serving", "gpu_plan", "eval"),
+             "paco_ds.serving": ("grpo", "gpu_plan", "sft", "eval", "rewards", "sampling"),
+             "paco_ds.grpo": ("eval", "gpu_plan", "cluster")}
+    upward = sorted((m, d) for layer, banned in above.items() for m, deps in graph.items() if m.startswith(layer)
+                    for d in deps if any(d.startswith(f"paco_ds.{b}") for b in banned))
+    assert not upward, upward
 
 
 
 def test_the_recipe_schema_imports_no_torch():
-    # The schema, the built-in losses' sections included, stays light: pydantic, not torch.
+    # The schema stays light: pydantic, not torch (the losses' sections join it at load, from above).
     out = subprocess.run([sys.executable, "-c", "import sys, paco_ds.config; print(sorted(m for m in sys.modules "
                           "if m.split('.')[0] in ('torch', 'kernels') or m.startswith('paco_ds.models')))"],
                          cwd=REPO, capture_output=True, text=True, check=True)
