@@ -9,38 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.openclip import load_open_clip, open_clip_on_meta
-from paco_ds.rewards.base import (Count, FullSizeReward, LRUCache, Reward, RewardResult, image_digest, model_dtype,
-                                  reference_images)
+from paco_ds.rewards.base import RewardResult, image_digest, reference_images
+from paco_ds.rewards.openclip import OpenClipReward
 
 
-BATCH_SIZE, CACHE_SIZE = 32, 4096
-
-
-class ClipI(Reward):
+class ClipI(OpenClipReward):
     name = "clip_i"
-
-    def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
-                 device: str = "cpu", batch_size: Count = BATCH_SIZE, cache_size: Count = CACHE_SIZE):
-        clip, preprocess, model = load_open_clip(model, pretrained, tiny)
-        self._hold(clip, preprocess, device, batch_size, cache_size)
-        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
-
-    def _hold(self, model, preprocess, device, batch_size: int, cache_size: int) -> None:
-        self.model, self.preprocess = model, preprocess
-        self.device = torch.device(device)
-        self.dtype = model_dtype(self.device)
-        self.batch_size = batch_size
-        self.cache = LRUCache(cache_size)  # image digest -> normalised embedding (CPU)
-
-    @classmethod
-    def full_size(cls, device, model: str = "ViT-H-14", batch_size: int = BATCH_SIZE, cache_size: int = CACHE_SIZE,
-                  **_) -> FullSizeReward:
-        """The open_clip `model` on meta, from open_clip's bundled config (no weights)."""
-        clip, preprocess = open_clip_on_meta(model)
-        reward = cls.__new__(cls)
-        reward._hold(clip, preprocess, device, batch_size, cache_size)
-        return FullSizeReward(reward, [(clip, reward.dtype)])
 
     @torch.no_grad()
     def _embed(self, images) -> list[torch.Tensor]:

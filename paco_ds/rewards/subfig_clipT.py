@@ -9,42 +9,12 @@ import numpy as np
 import torch
 
 from paco_ds.images import grid_shape, split_panels, split_prompt
-from paco_ds.rewards.openclip import load_open_clip, open_clip_on_meta
-from paco_ds.rewards.base import (Count, FullSizeReward, LRUCache, Reward, RewardResult, image_digest,
-                                  model_dtype)
+from paco_ds.rewards.base import RewardResult, image_digest
+from paco_ds.rewards.openclip import OpenClipReward
 
 
-BATCH_SIZE, CACHE_SIZE = 32, 4096
-
-
-class SubfigClipT(Reward):
+class SubfigClipT(OpenClipReward):
     name = "subfig_clipT"
-
-    def __init__(self, model: str = "ViT-H-14", pretrained: str = "laion2b_s32b_b79k", tiny: bool = False,
-                 device: str = "cpu", batch_size: Count = BATCH_SIZE, cache_size: Count = CACHE_SIZE):
-        import open_clip
-
-        clip, preprocess, model = load_open_clip(model, pretrained, tiny)
-        self._hold(clip, preprocess, open_clip.get_tokenizer(model), device, batch_size, cache_size)
-        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
-
-    def _hold(self, model, preprocess, tokenizer, device, batch_size: int, cache_size: int) -> None:
-        self.model, self.preprocess, self.tokenizer = model, preprocess, tokenizer
-        self.device = torch.device(device)
-        self.dtype = model_dtype(self.device)
-        self.batch_size = batch_size
-        self.cache = LRUCache(cache_size)
-
-    @classmethod
-    def full_size(cls, device, model: str = "ViT-H-14", batch_size: int = BATCH_SIZE, cache_size: int = CACHE_SIZE,
-                  **_) -> FullSizeReward:
-        """The open_clip `model` on meta, from open_clip's bundled config (no weights)."""
-        import open_clip
-
-        clip, preprocess = open_clip_on_meta(model)
-        reward = cls.__new__(cls)
-        reward._hold(clip, preprocess, open_clip.get_tokenizer(model), device, batch_size, cache_size)
-        return FullSizeReward(reward, [(clip, reward.dtype)])
 
     @torch.no_grad()
     def _similarities(self, panels, texts) -> list[float]:
