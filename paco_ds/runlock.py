@@ -114,3 +114,22 @@ def owned_run_dir(run_dir: str | Path, is_main: bool) -> Iterator[RunLock | None
     finally:
         if lock is not None:
             lock.release()
+
+
+def fit_in_run_dir(run_dir: Path, is_main: bool, make_trainer, resume, *around: contextlib.AbstractContextManager):
+    """The run itself, as GRPO and SFT runs have it: while this run owns `run_dir` (its lock), with a
+    full disk or a deleted run directory reported as one line naming the path, and inside `around`
+    (e.g. the recipe's reward servers), build the trainer and fit it; it is closed however the fit
+    ends."""
+    from paco_ds.storage import writing
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(writing(run_dir, run_dir))
+        stack.enter_context(owned_run_dir(run_dir, is_main))
+        for context in around:
+            stack.enter_context(context)
+        trainer = make_trainer()
+        try:
+            trainer.fit(resume)
+        finally:
+            trainer.close()

@@ -12,7 +12,6 @@ from paco_ds.config import Config
 from paco_ds.distributed import setup_distributed, shutdown_distributed
 from paco_ds.grpo.trainer import GRPOTrainer
 from paco_ds.serving.manager import started_for_run
-from paco_ds.storage import writing
 
 
 def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path | None = None,
@@ -28,7 +27,7 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     # Before anything starts or is written (paco_ds/grpo/preflight.py): the recipe and its data,
     # the checkpoint to resume (verified), then the run directory's lock, held for the whole run.
     from paco_ds.grpo.plan import check_recipe
-    from paco_ds.runlock import owned_run_dir
+    from paco_ds.runlock import fit_in_run_dir
 
     check_recipe(cfg, dist.world_size)
     check_device_choices(cfg, dist.device)
@@ -43,14 +42,8 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     # The recipe's reward servers: started by local rank 0 of each node, awaited by every rank
     # before the rewards are built, stopped when the run ends.
     colocate = cfg.cluster is not None and cfg.cluster.colocate  # the judges must be able to sleep
-    # A full disk or a deleted run directory, wherever the write was: one line naming the path.
-    with writing(cfg.run_dir, cfg.run_dir), owned_run_dir(cfg.run_dir, dist.is_main), \
-            started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate):
-        trainer = GRPOTrainer(cfg, dist)
-        try:
-            trainer.fit(resume)
-        finally:
-            trainer.close()
+    fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: GRPOTrainer(cfg, dist), resume,
+                   started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate))
     shutdown_distributed()
 
 

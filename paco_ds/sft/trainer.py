@@ -367,14 +367,8 @@ def run(cfg: SFTConfig, resume: str | None = None) -> None:
     stopping.install(save_first=False)
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
-    from paco_ds.runlock import owned_run_dir
-    from paco_ds.storage import writing
+    from paco_ds.runlock import fit_in_run_dir
 
     # One run per run directory, as GRPO runs; a full disk or a deleted run directory is one line.
-    with writing(cfg.run_dir, cfg.run_dir), owned_run_dir(cfg.run_dir, dist.is_main):
-        trainer = SFTTrainer(cfg, dist)
-        try:
-            trainer.fit(resume)
-        finally:
-            trainer.close()
+    fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: SFTTrainer(cfg, dist), resume)
     shutdown_distributed()
