@@ -172,6 +172,17 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path
                           timeout=timeout)
 
 
+def quick_benchmark(script: str, out_dir: Path, report: str, timeout: float = 300):
+    """`python benchmarks/<script> --quick --out out_dir` on one thread: the finished process and the
+    JSON report it wrote (out_dir/<report>)."""
+    import json
+
+    proc = run_cli(f"benchmarks/{script}", "--quick", "--out", str(out_dir), timeout=timeout,
+                   env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads((out_dir / report).read_text())
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     """A user's mistake: exit code 2 and exactly one line on stderr, no traceback; returns the line."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])

@@ -1,18 +1,13 @@
 """`python benchmarks/advantage_step.py --quick` runs and writes its JSON (the trainer's advantage step)."""
-import json
-
 import pytest
 
-from conftest import run_cli
+from conftest import quick_benchmark
 
 pytestmark = pytest.mark.runs
 
 
 def test_quick_run_writes_json(tmp_path):
-    out = run_cli("benchmarks/advantage_step.py", "--quick", "--out", str(tmp_path), timeout=300,
-                  env={"OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads((tmp_path / "advantage_step_cpu.json").read_text())
+    out, report = quick_benchmark("advantage_step.py", tmp_path, "advantage_step_cpu.json")
     assert report["benchmark"] == "advantage_step_cpu"
     assert report["command"] == f"benchmarks/advantage_step.py --quick --out {tmp_path}"
     assert report["machine"]["cores"] and report["rewards"] == ["a", "b", "c"]

@@ -1,18 +1,13 @@
 """`python benchmarks/weighted_ce.py --quick` runs and writes its JSON (a smoke run at small sizes)."""
-import json
-
 import pytest
 
-from conftest import run_cli
+from conftest import quick_benchmark
 
 pytestmark = pytest.mark.runs
 
 
 def test_quick_run_writes_json(tmp_path):
-    out = run_cli("benchmarks/weighted_ce.py", "--quick", "--out", str(tmp_path), timeout=120,
-                  env={"OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads((tmp_path / "weighted_ce_cpu.json").read_text())
+    out, report = quick_benchmark("weighted_ce.py", tmp_path, "weighted_ce_cpu.json", timeout=120)
     assert report["command"] == f"python benchmarks/weighted_ce.py --quick --out {tmp_path}"
     assert report["config"]["vocab"] == 16384 and report["machine"]["cores"] and report["method"]
     rows = {r["variant"]: r for r in report["results"]}
