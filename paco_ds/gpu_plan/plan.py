@@ -51,6 +51,7 @@ class GpuPlan:
     counts: dict[str, float]  # calls per image: forwards, micro-steps, ...
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    rollout_batch: int = 1  # sample.batch_size the pass sampled and scored with
 
     def total(self, phase: str) -> int:
         return sum(self.memory[phase].values())
@@ -70,7 +71,8 @@ class GpuPlan:
                 "memory_gib": {p: {k: round(v / GiB, 3) for k, v in m.items()} for p, m in self.memory.items()},
                 "peak_gib": {p: round(self.total(p) / GiB, 3) for p in PHASES}, "fits": self.fits,
                 "flops_per_image": self.flops, "flops_detail": self.flops_detail, "counts": self.counts,
-                "seconds": round(self.seconds, 1), "verdict": verdict(self)}
+                "seconds": round(self.seconds, 1), "rollout_batch": self.rollout_batch,
+                "largest_rollout_batch": largest_rollout_batch(self), "verdict": verdict(self)}
 
 
 # ------------------------------------------------------------------------------------ counting
@@ -339,7 +341,8 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     return GpuPlan(recipe=str(cfg.source), family=family, world_size=world_size, gpu_gib=gpu_gib,
                    image_size=(h, w), dtype=str(dtype).replace("torch.", ""),
                    gradient_checkpointing=cfg.model.gradient_checkpointing, params=params, memory=memory, flops=flops,
-                   flops_detail=detail, counts=counts, seconds=time.perf_counter() - t0, notes=notes)
+                   flops_detail=detail, counts=counts, seconds=time.perf_counter() - t0, notes=notes,
+                   rollout_batch=cfg.sample.batch_size)
 
 
 def _park_text_encoders(mode, policy) -> None:
@@ -390,13 +393,32 @@ FIXES = [  # (category, phase, condition, the recipe key that cuts it)
 ]
 
 
+def largest_rollout_batch(plan: GpuPlan) -> int:
+    """The largest sample.batch_size whose sampling and scoring fit: their activations scaled per
+    sample from the counted pass (the rest of those phases does not grow with the batch); 0 when not
+    even one sample fits. An estimate from the counted bytes, not a pass at that batch."""
+    best = None
+    for phase in (SAMPLING, SCORING):
+        act = plan.memory[phase].get("activations", 0)
+        per_sample = act / max(plan.rollout_batch, 1)
+        room = plan.capacity - (plan.total(phase) - act)
+        if per_sample > 0:
+            fit = max(int(room // per_sample), 0)
+            best = fit if best is None else min(best, fit)
+    return best if best is not None else plan.rollout_batch
+
+
 def verdict(plan: GpuPlan) -> str:
     peak = max(PHASES, key=plan.total)
     over = [p for p in PHASES if plan.total(p) > plan.capacity]
     head = f"{plan.world_size} x {plan.gpu_gib:g} GiB"
+    batch = largest_rollout_batch(plan)
+    rollouts = (f"; rollouts: sample.batch_size: {batch} is the largest that fits (activations scaled from "
+                f"{plan.rollout_batch})" if batch else "; not one rollout sample fits")
     if not over:
         free = (plan.capacity - plan.total(peak)) / GiB
-        return f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} ({free:.1f} GiB free)"
+        return (f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} ({free:.1f} GiB free)"
+                + rollouts)
     lines = []
     for phase in over:
         mem = plan.memory[phase]
@@ -407,7 +429,7 @@ def verdict(plan: GpuPlan) -> str:
                         "a larger GPU"))
         lines.append(f"{phase} needs {plan.total(phase) / GiB:.1f} GiB ({need:.1f} over); biggest: "
                      + ", ".join(f"{k} {v / GiB:.1f}" for k, v in top) + f"; fix: {fix}")
-    return f"does not fit on {head}: " + " | ".join(lines)
+    return f"does not fit on {head}: " + " | ".join(lines) + rollouts
 
 
 def describe(plan: GpuPlan) -> str:

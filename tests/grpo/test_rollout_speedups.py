@@ -184,3 +184,19 @@ def test_the_dry_run_says_share_prefix_is_off_where_the_trainer_turns_it_off():
     assert "before its first SDE step once per rank (sample.share_prefix)" in shared.stdout
     assert "sample.share_prefix is off under deepspeed.rollout_gather: per_step (ZeRO-3)" in per_step.stdout
     assert "once per rank" not in per_step.stdout
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_batched_rollouts_agree_with_one_sample_at_a_time(tiny_policy, batch):
+    """sample.batch_size only changes how many rows a transformer call holds: each sample's noise is
+    its own (seeded by its position), so a batch of `batch` gives every sample the latents and
+    log-probs it gets alone, to float rounding (matrix products over more rows may round differently)."""
+    cfg = cfg_with("sample.noise_steps=[1, 3]", "sample.share_prefix=false")
+    r = rollouts(tiny_policy, cfg)
+    picks = picks_of([0, 1], 2)[:batch]
+    together = r.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=0)
+    alone = [r.sample(tiny_policy.transformer, [p], SIZE, SIZE, epoch=0) for p in picks]
+    for name in ("x_t", "x_next", "log_prob"):
+        torch.testing.assert_close(getattr(together, name), torch.cat([getattr(a, name) for a in alone]),
+                                   rtol=1e-4, atol=1e-4, msg=name)
+    assert (together.images.float() - torch.cat([a.images for a in alone]).float()).abs().max() <= 1

@@ -32,6 +32,11 @@ def test_flux_t2is_fits_on_8_x_80_from_the_cli():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verdict: fits on 8 x 80 GiB" in proc.stdout
     assert "transformer gathered for sampling" in proc.stdout and "model FLOPs per image" in proc.stdout
+    # the verdict names the largest rollout batch that fits (the recipe samples one image per call)
+    import re
+
+    largest = int(re.search(r"rollouts: sample.batch_size: (\d+) is the largest that fits", proc.stdout).group(1))
+    assert largest > 1
 
 
 @pytest.mark.parametrize("recipe", ["kontext_edit.yaml", "qwen_edit.yaml"])

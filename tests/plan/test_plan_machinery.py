@@ -119,3 +119,21 @@ def test_every_family_and_local_reward_describes_its_full_size_model():
     local = {name for name in REWARDS if reward_class(name).full_size(device) is not None}
     assert local == {"subfig_clipT", "pickscore", "clip_i", "aesthetic", "imagereward"}
     assert not {name for name in REWARDS if reward_class(name).remote} & local
+
+
+def test_the_verdict_names_the_largest_rollout_batch_that_fits():
+    """Sampling and scoring activations grow with sample.batch_size, the rest of those phases does
+    not: 80 GiB with 50 GiB fixed and 6 GiB of activations per sample at batch 2 leaves room for 10."""
+    from paco_ds.gpu_plan.plan import GiB, GpuPlan, largest_rollout_batch, verdict
+
+    def plan(batch, sampling_act, scoring_act):
+        memory = {"sampling": {"base": 50 * GiB, "activations": sampling_act},
+                  "scoring": {"base": 50 * GiB, "activations": scoring_act},
+                  "training": {"base": 60 * GiB}}
+        return GpuPlan("r", "flux", 8, 80, (512, 512), "bfloat16", False, {}, memory, {}, {}, {}, rollout_batch=batch)
+
+    assert largest_rollout_batch(plan(2, 12 * GiB, 6 * GiB)) == 5  # sampling: 30 GiB / 6 GiB per sample
+    assert largest_rollout_batch(plan(2, 2 * GiB, 6 * GiB)) == 10  # scoring now limits: 30 / 3
+    text = verdict(plan(2, 2 * GiB, 6 * GiB))
+    assert text.startswith("fits on 8 x 80 GiB") and "sample.batch_size: 10 is the largest that fits" in text
+    assert "not one rollout sample fits" in verdict(plan(1, 31 * GiB, 1 * GiB))
