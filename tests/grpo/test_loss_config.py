@@ -1,5 +1,5 @@
 """The losses' recipe sections, each declared in its loss's file (paco_ds/grpo/losses/): `train.ppo`,
-`train.nft`, `train.awm`, and `train.reinforce` of a loss that lives in tests/ only, validate their
+`train.nft`, `train.awm`, `train.dpo`, and `train.reinforce` of a loss that lives in tests/ only, validate their
 own keys, and each loss's cross-checks run for that loss, naming the keys."""
 import re
 from pathlib import Path
@@ -23,7 +23,7 @@ def _error(recipe: str, sets: list[str]) -> str:
     return msg
 
 
-@pytest.mark.parametrize("loss", ["ppo", "nft", "awm"])
+@pytest.mark.parametrize("loss", ["ppo", "nft", "awm", "dpo"])
 def test_an_unknown_key_in_a_loss_section_is_refused_naming_it(loss):
     assert f"unknown config key 'train.{loss}.clip_rang'" in _error(TINY, [f"train.{loss}.clip_rang=0.1"])
 
@@ -36,6 +36,7 @@ def test_an_unknown_ppo_key_suggests_the_known_one():
     ("train.ppo.clip_range", "0"), ("train.ppo.ratio_norm", "maybe"),
     ("train.nft.decay_type", "3"), ("train.nft.beta", ".nan"),
     ("train.awm.time_shift", "-1"), ("train.awm.weighting", "cubic"),
+    ("train.dpo.beta", "0"), ("train.dpo.timestep_sampling", "logit"),
 ])
 def test_a_bad_value_names_its_loss_key(key, value):
     assert f"config key '{key}'" in _error(TINY, [f"{key}={value}"])
@@ -67,8 +68,8 @@ def test_a_loss_outside_paco_ds_brings_its_own_section():
     # Without that loss, its section is an unknown key like any other.
     assert "unknown config key 'train.reinforce'" in _error(TINY, ["train.reinforce={scale: 2}"])
     # The schema names no loss: the sections come from the registry when a recipe is loaded.
-    assert not {"ppo", "nft", "awm", "reinforce"} & set(config.TrainConfig.model_fields)
-    assert not re.search(r"\b(ppo|nft|awm|reinforce)\b", Path(config.__file__).read_text(), re.I)
+    assert not {"ppo", "nft", "awm", "dpo", "reinforce"} & set(config.TrainConfig.model_fields)
+    assert not re.search(r"\b(ppo|nft|awm|dpo|reinforce)\b", Path(config.__file__).read_text(), re.I)
 
 
 def test_a_loss_without_a_section_of_its_own_or_with_a_taken_name():

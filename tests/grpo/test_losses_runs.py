@@ -1,5 +1,8 @@
-"""DiffusionNFT, AWM, GRPO-Guard, Flow-GRPO-Fast windows and a loss from tests/ for real: the deepspeed launcher, 2 ZeRO-3
-CPU processes, and the run resumed from its epoch-1 checkpoint matches the uninterrupted one."""
+"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows and a loss from tests/ for real: the
+deepspeed launcher, 2 ZeRO-3 CPU processes, and the run resumed from its epoch-1 checkpoint matches the
+uninterrupted one."""
+import math
+
 import pytest
 import yaml
 
@@ -80,3 +83,22 @@ def test_a_loss_that_lives_in_tests_only_trains_from_its_recipe_and_resumes_exac
     saved = yaml.safe_load((tmp_path / "full" / "config.yaml").read_text())
     assert saved["train"]["loss"] == "tests.grpo.reinforce_loss:Reinforce"
     assert saved["train"]["reinforce"] == {"scale": 2.0}  # its own key, from the recipe
+
+
+def test_dpo_pairs_within_micro_batches_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
+    # SHORT's 4 images per prompt: the plan rounds the prompts up to 4 (16 images) so that a rank's 8
+    # fill one micro-batch of train.batch_size 8; 8 images of 4 prompts hold 2 of some prompt, so
+    # every micro-step has 1 to 4 pairs (best against worst of each prompt present twice or more).
+    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dpo.yaml")
+    for r in rows:
+        assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
+        # per rank: 1 micro-batch x 2 trained noise levels, each the reference (no grad) + the policy
+        assert r["train/micro_steps"] == 2 and r["train/forwards_per_step"] == 2.0
+        assert r["adv/num_groups"] == 4 and r["adv/avg_group_size"] == 4
+        assert 1 <= r["train/dpo_pairs"] <= 4 and r["train/dpo_adv_gap"] > 0
+        assert r["train/kl"] == 0.0
+    # epoch 0 trains the initial adapter (zero): the policy is the reference, the loss log 2, and
+    # its gradient already points the winner's error down
+    assert rows[0]["train/policy_loss"] == pytest.approx(math.log(2)) and rows[0]["train/dpo_accuracy"] == 0.0
+    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/grad_norm"] > 0
+    assert rows[1]["train/policy_loss"] != pytest.approx(math.log(2))

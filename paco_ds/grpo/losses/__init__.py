@@ -4,6 +4,7 @@ declared beside it.
 - `ppo`  paco_ds/grpo/losses/ppo.py  PPO-clip on SDE log-probs (PaCo-GRPO, Flow-GRPO; GRPO-Guard)
 - `nft`  paco_ds/grpo/losses/nft.py  DiffusionNFT (arXiv 2509.16117)
 - `awm`  paco_ds/grpo/losses/awm.py  Advantage Weighted Matching (arXiv 2509.25050)
+- `dpo`  paco_ds/grpo/losses/dpo.py  online Diffusion-DPO on each group's best and worst (arXiv 2311.12908)
 
 A loss outside paco_ds is given as "module:Class" (a subclass of base.Loss); its `section`, if it
 declares one, is its recipe keys under train.<its name>, checked like a built-in loss's.
@@ -19,6 +20,7 @@ LOSSES: dict[str, str] = {
     "ppo": "paco_ds.grpo.losses.ppo:PPOClip",
     "nft": "paco_ds.grpo.losses.nft:NFT",
     "awm": "paco_ds.grpo.losses.awm:AWM",
+    "dpo": "paco_ds.grpo.losses.dpo:DPO",
 }
 DEFAULT_LOSS = "ppo"
 
