@@ -12,6 +12,7 @@ from paco_ds.recipe import resolve
 POLICIES: dict[str, str] = {
     "flux": "paco_ds.models.flux:FluxPolicy",
     "flux_kontext": "paco_ds.models.flux_kontext:KontextPolicy",
+    "qwen_image": "paco_ds.models.qwen_image:QwenImagePolicy",
     "qwen_image_edit": "paco_ds.models.qwen_image_edit:QwenEditPolicy",
     "sd3": "paco_ds.models.sd3:SD3Policy",
 }

@@ -14,6 +14,7 @@ from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.flux import FluxPolicy
 from paco_ds.models.flux_kontext import KontextPolicy
 from paco_ds.models.lora import add_lora
+from paco_ds.models.qwen_image import QwenImagePolicy
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 
 pytestmark = pytest.mark.fast
@@ -39,11 +40,14 @@ def _qwen_recipe_without_defaults(tmp_path):
 
 
 def test_every_family_names_its_own_checkpoint_and_targets():
-    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image_edit", "sd3"}
+    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image", "qwen_image_edit", "sd3"}
     assert FluxPolicy.default_path == "black-forest-labs/FLUX.1-dev"
     assert KontextPolicy.default_path == "black-forest-labs/FLUX.1-Kontext-dev"
     assert QwenEditPolicy.default_path == "Qwen/Qwen-Image-Edit"
     assert list(QwenEditPolicy.lora_targets) == QWEN_OWN
+    assert QwenImagePolicy.default_path == "Qwen/Qwen-Image"  # the text-to-image sibling, the same MMDiT
+    assert list(QwenImagePolicy.lora_targets) == QWEN_OWN
+    assert QwenImagePolicy.attention_dispatch and QwenEditPolicy.attention_dispatch
     assert KontextPolicy.lora_targets == FluxPolicy.lora_targets  # the same transformer class
     assert not {"img_mlp.net.2", "txt_mlp.net.2"} & set(FluxPolicy.lora_targets)
 
@@ -95,7 +99,8 @@ def test_a_target_that_matches_no_module_names_the_key(tiny_policy):
         add_lora(transformer, LoraConfig(target_modules=["attn.to_q", "img_mlp.net.2"]))
 
 
-@pytest.mark.parametrize("family, recipe", [("flux", "t2is"), ("sd3", "sd3_pickscore"), ("qwen_image_edit", "qwen_edit")])
+@pytest.mark.parametrize("family, recipe", [("flux", "t2is"), ("sd3", "sd3_pickscore"), ("qwen_image_edit", "qwen_edit"),
+                                            ("qwen_image", "qwen_image_t2is")])
 def test_a_target_that_matches_no_module_is_one_line_in_the_dry_run(tmp_path, family, recipe):
     """Checked against the family's transformer built on the meta device, before any model loads."""
     from conftest import one_line_error
@@ -104,3 +109,12 @@ def test_a_target_that_matches_no_module_is_one_line_in_the_dry_run(tmp_path, fa
                                   "--set", f"output_dir={tmp_path}", "--set", "model.lora.target_modules=[to_qq]"))
     assert "config key 'model.lora.target_modules': 'to_qq' matches no module of the" in line, line
     assert line.endswith("(did you mean 'to_q'?)"), line
+
+
+def test_the_qwen_image_recipes_resolve_to_qwen_images_own():
+    for recipe in ("configs/qwen_image_t2is.yaml", "configs/tiny/qwen_image_t2is.yaml"):
+        cfg = load_config(REPO / recipe, ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
+                                          "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl"])
+        assert (cfg.model.family, cfg.model.path) == ("qwen_image", "Qwen/Qwen-Image")
+        assert cfg.model.lora.target_modules == QWEN_OWN and cfg.model.max_sequence_length == 512
+        assert cfg.data.format == "t2is" and "consistency_score" in cfg.rewards.train.terms

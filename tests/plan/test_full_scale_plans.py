@@ -49,6 +49,21 @@ def test_editing_recipes_fit_on_8_x_80(recipe):
     assert plan.flops["training"] > 0 and plan.flops["sampling"] > plan.flops["training"] / 4
 
 
+def test_qwen_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
+    """Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) on the paper's T2IS settings:
+    the plan states the transformer's parameters (LoRA included) and its verdict."""
+    args = [a for o in T2IS_DATA for a in ("--set", o)]
+    proc = run_cli("launch/train.py", "--config", "configs/qwen_image_t2is.yaml", "--dry-run", "--world-size", "8",
+                   "--gpu-memory", "80", *args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GPU plan per rank (qwen_image, 512x512, bfloat16" in proc.stdout
+    params = next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
+    assert "transformer 20,855,074,368, lora 424,673,280" in params  # 20,430,401,088 without the LoRA
+    assert "text_encoders 8,292,166,656" in params  # Qwen2.5-VL-7B
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
+
+
 def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why():
     from paco_ds.gpu_plan.plan import verdict
 

@@ -1,10 +1,12 @@
-"""Tiny random-weight Qwen-Image-Edit parts, built offline from a seed (no hub access).
+"""Tiny random-weight Qwen-Image and Qwen-Image-Edit parts, built offline from a seed (no hub access).
 
 The real architectures at toy sizes: `QwenImageTransformer2DModel` (patch 2, as the real one),
 `AutoencoderKLQwenImage` with the real 8x downsampling (three spatial downsamples, causal 3D
 convolutions on one frame), and the tiny Qwen2.5-VL of qwen_vl.py with its processor
 (patches 14, 2x2 merge: 28-pixel units) as the prompt-and-image encoder. The scheduler config is
 Qwen-Image's own, so the tiny policy's sigma schedule at a given image size is the real one.
+Qwen-Image (text-to-image) uses the same parts, its VL encoder reading text only through the
+processor's tokenizer, as Qwen-Image's checkpoint ships a tokenizer and no processor.
 """
 from __future__ import annotations
 
@@ -57,3 +59,19 @@ def tiny_qwen_edit_pipeline(spec: TinyModelConfig | None = None, seed: int = 0, 
     scheduler = FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config"))
     processor = parts.pop("processor")
     return QwenImageEditPipeline(scheduler=scheduler, tokenizer=processor.tokenizer, processor=processor, **parts)
+
+
+def tiny_qwen_image_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
+    """Qwen-Image's tiny parts: the edit parts with the processor's tokenizer in its place."""
+    parts = tiny_qwen_edit_components(spec, seed)
+    parts["tokenizer"] = parts.pop("processor").tokenizer
+    return parts
+
+
+def tiny_qwen_image_pipeline(spec: TinyModelConfig | None = None, seed: int = 0, parts: dict | None = None):
+    """A diffusers `QwenImagePipeline` assembled from the tiny parts (or the given ones)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    parts = dict(parts or tiny_qwen_image_components(spec, seed))
+    scheduler = FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config"))
+    return QwenImagePipeline(scheduler=scheduler, **parts)
