@@ -172,6 +172,30 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path
                           timeout=timeout)
 
 
+def load_exported_lora(policy, pipe, folder: Path):
+    """Export the policy's adapter into `folder` as a run does and load it into the family's diffusers
+    `pipe` (load_lora_weights): every trained LoRA matrix arrives. Returns the pipeline."""
+    from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
+
+    state = lora_state_dict(policy.transformer)
+    path = export_lora(state, folder, adapter_config(policy.transformer))
+    pipe.load_lora_weights(folder)
+    loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_B" in n]
+    assert path.exists() and len(loaded) == len([n for n in state if "lora_B" in n])
+    return pipe
+
+
+def save_diffusers_layout(parts: dict, folder: Path, names: tuple[str, ...]) -> Path:
+    """Write tiny components as a checkpoint folder in diffusers' layout (one subfolder per part in
+    `names`, plus the scheduler's config), for a policy's real loading code to read."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    for name in names:
+        parts[name].save_pretrained(folder / name)
+    FlowMatchEulerDiscreteScheduler(**parts["scheduler_config"]).save_config(folder / "scheduler")
+    return folder
+
+
 def quick_benchmark(script: str, out_dir: Path, report: str, timeout: float = 300):
     """`python benchmarks/<script> --quick --out out_dir` on one thread: the finished process and the
     JSON report it wrote (out_dir/<report>)."""

@@ -1,13 +1,12 @@
 """Advantage Weighted Matching (`train.loss: awm`): its formulas against values worked out by hand,
 the loss's wiring on a stub policy, the recipe's validation, and a real run (2 ZeRO-3 CPU ranks)
 that stops after epoch 1 and resumes to match the uninterrupted one."""
-import contextlib
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from stub_policy import LinearVelocity, StubBatch, StubPolicy
 from paco_ds.grpo.losses.awm import (AWM, anchor_decay, continuous_time, matching_log_prob, scaled_advantages,
                               stratum_step)
 from paco_ds.grpo.plan import load_config
@@ -82,52 +81,16 @@ def test_anchor_decay_schedules():
 
 
 # ------------------------------------------------------------------------------------ the loss on a stub policy
-class _Linear(torch.nn.Module):
-    """v = w * x_t."""
-
-    def __init__(self, w: float):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(w))
-        self.forwards = 0
-
-    def forward(self, x):
-        self.forwards += 1
-        return self.w * x
-
-
-class _Policy:
-    device = torch.device("cpu")
-
-    def __init__(self):
-        self.seen = []
-
-    def sigmas(self, n, h, w):
-        return torch.linspace(1.0, 0.0, n + 1)
-
-    def velocity(self, module, x_t, sigma, embeds, h, w, guidance, condition=None):
-        self.seen.append(sigma.clone())
-        return module(x_t)
-
-    @contextlib.contextmanager
-    def adapter_disabled(self, module):
-        yield
-
-
-class _Batch(SimpleNamespace):
-    def __len__(self):
-        return len(self.positions)
-
-
 def _batch(adv):
     n = len(adv)
-    return _Batch(x_final=torch.arange(n * 8, dtype=torch.float32).reshape(n, 4, 2) / 10, positions=list(range(n)),
+    return StubBatch(x_final=torch.arange(n * 8, dtype=torch.float32).reshape(n, 4, 2) / 10, positions=list(range(n)),
                   height=64, width=64, embeds=torch.zeros(n, 1), condition=None, advantages=torch.tensor(adv),
                   keep=torch.ones(n, dtype=torch.bool))
 
 
 def _loss(*sets):
     cfg = load_config(RECIPE, list(sets))
-    policy, module = _Policy(), _Linear(0.3)
+    policy, module = StubPolicy(), LinearVelocity(0.3)
     loss = AWM(cfg, policy)
     loss.setup([module.w])
     loss.begin_epoch(0)
@@ -148,8 +111,8 @@ def test_noise_levels_are_the_schedules_sigmas_of_each_stratum():
     for t in range(3):
         loss(module, batch, t)
     # K = 3 of 6 steps x 0.9: strata [0,1) [1,3) [3,5)
-    assert all(s == sig[0] for s in policy.seen[0].tolist())
-    assert set(policy.seen[1].tolist()) <= {sig[1], sig[2]} and set(policy.seen[2].tolist()) <= {sig[3], sig[4]}
+    assert all(s == sig[0] for s in policy.seen[0][1].tolist())
+    assert set(policy.seen[1][1].tolist()) <= {sig[1], sig[2]} and set(policy.seen[2][1].tolist()) <= {sig[3], sig[4]}
 
 
 def test_clipped_ratio_starts_at_one_with_the_plain_weighted_matching_gradient():

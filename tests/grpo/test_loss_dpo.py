@@ -1,13 +1,12 @@
 """Online Diffusion-DPO (paco_ds/grpo/losses/dpo.py): the pairing inside a micro-batch, the loss
 against the paper's formula computed here another way, its limiting cases and the direction of its
 gradient, the seeded noise a resume draws again, and the recipe's cross-checks."""
-import contextlib
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from stub_policy import LinearVelocity, StubBatch, StubPolicy
 from paco_ds.grpo.losses.dpo import DPO, best_worst_pairs, dpo_loss
 from paco_ds.grpo.plan import load_config
 from paco_ds.models.base import TextEmbeds
@@ -54,60 +53,17 @@ def test_dpo_loss_is_the_papers_formula():
     assert same.tolist() == pytest.approx([math.log(2)] * 5)
 
 
-class _Linear(torch.nn.Module):
-    """v = w * x_t; the reference (adapter disabled) is w = base."""
-
-    def __init__(self, w: float, base: float):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(w))
-        self.base = base
-        self.forwards = 0
-
-    def forward(self, x):
-        self.forwards += 1
-        return self.w * x
-
-
-class _Policy:
-    device = torch.device("cpu")
-
-    def __init__(self):
-        self.seen = []
-
-    def sigmas(self, n, h, w):
-        return torch.linspace(1.0, 0.0, n + 1)
-
-    def velocity(self, module, x_t, sigma, embeds, h, w, guidance, condition=None):
-        assert len(embeds) == x_t.shape[0]
-        self.seen.append((x_t.detach().clone(), sigma.clone()))
-        return module(x_t)
-
-    @contextlib.contextmanager
-    def adapter_disabled(self, module):
-        w = module.w.data.clone()
-        module.w.data.fill_(module.base)
-        try:
-            yield
-        finally:
-            module.w.data.copy_(w)
-
-
-class _Batch(SimpleNamespace):
-    def __len__(self):
-        return len(self.positions)
-
-
 def _batch(adv, groups, x_final=None, keep=None):
     n = len(adv)
     x = torch.randn(n, 4, 2, generator=torch.Generator().manual_seed(1)) if x_final is None else x_final
-    return _Batch(x_final=x, positions=[10 + i for i in range(n)], group_ids=list(groups), height=64, width=64,
+    return StubBatch(x_final=x, positions=[10 + i for i in range(n)], group_ids=list(groups), height=64, width=64,
                   embeds=TextEmbeds(torch.zeros(n, 1, 1)), condition=None, advantages=torch.tensor(adv),
                   keep=torch.ones(n, dtype=torch.bool) if keep is None else torch.tensor(keep))
 
 
 def _loss(w=0.3, base=0.3, *sets):
     cfg = load_config(RECIPE, ["train.dpo.beta=10", *sets])
-    policy, module = _Policy(), _Linear(w, base)
+    policy, module = StubPolicy(), LinearVelocity(w, base)
     loss = DPO(cfg, policy)
     loss.setup([module.w])
     loss.begin_epoch(0)

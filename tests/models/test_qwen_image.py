@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import with_active_lora
+from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
-from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.qwen_image import QwenImagePolicy
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.models.tiny.qwen_image import tiny_qwen_image_components, tiny_qwen_image_pipeline
@@ -116,11 +115,7 @@ def test_training_log_prob_equals_the_sampled_one(policy):
 
 
 def test_lora_export_loads_into_qwen_image_pipeline(policy, tmp_path):
-    path = export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_config(policy.transformer))
-    pipe = tiny_qwen_image_pipeline(seed=0)
-    pipe.load_lora_weights(tmp_path)
-    loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_B" in n]
-    assert path.exists() and len(loaded) == len([n for n in lora_state_dict(policy.transformer) if "lora_B" in n])
+    pipe = load_exported_lora(policy, tiny_qwen_image_pipeline(seed=0), tmp_path)
     emb = policy.encode_prompts(PROMPTS[:1])
     x = policy.initial_latents(1, 64, 96, [make_generator(13)])
     with torch.no_grad():
@@ -136,12 +131,8 @@ def test_lora_export_loads_into_qwen_image_pipeline(policy, tmp_path):
 def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path):
     """`load` from a local folder in Qwen/Qwen-Image's layout (transformer, vae, text_encoder,
     tokenizer, scheduler; here written from the tiny parts) gives the tiny builder's policy."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    parts = tiny_qwen_image_components(seed=0)
-    for name in ("transformer", "vae", "text_encoder", "tokenizer"):
-        parts[name].save_pretrained(tmp_path / name)
-    FlowMatchEulerDiscreteScheduler(**parts["scheduler_config"]).save_config(tmp_path / "scheduler")
+    save_diffusers_layout(tiny_qwen_image_components(seed=0), tmp_path, ("transformer", "vae", "text_encoder",
+                                                                         "tokenizer"))
     real = QwenImagePolicy.load(_cfg().model_copy(update={"tiny": False, "path": str(tmp_path)}), CPU)
     tiny = QwenImagePolicy.load(_cfg(), CPU)
     assert real.shift == tiny.shift and real.shift_terminal == 0.02 and real.template_drop == tiny.template_drop

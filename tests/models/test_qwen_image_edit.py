@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import with_active_lora
+from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
-from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
@@ -186,11 +185,7 @@ def test_sigmas_are_qwen_schedulers(policy):
 def test_lora_export_loads_into_qwen_image_edit_pipeline(policy, tmp_path):
     from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_pipeline
 
-    path = export_lora(lora_state_dict(policy.transformer), tmp_path, adapter_config(policy.transformer))
-    pipe = tiny_qwen_edit_pipeline(seed=0)
-    pipe.load_lora_weights(tmp_path)
-    loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_B" in n]
-    assert path.exists() and len(loaded) == len([n for n in lora_state_dict(policy.transformer) if "lora_B" in n])
+    pipe = load_exported_lora(policy, tiny_qwen_edit_pipeline(seed=0), tmp_path)
     h, w = 64, 96
     cond = policy.encode_condition([_ref(64, 96, 12)], h, w)
     emb = policy.encode_prompts(["make it red"], cond)
@@ -206,14 +201,10 @@ def test_lora_export_loads_into_qwen_image_edit_pipeline(policy, tmp_path):
 def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path):
     """`load` from a local folder in Qwen/Qwen-Image-Edit's layout (here written from the tiny parts)
     gives the same policy as the tiny builder."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
 
-    parts = tiny_qwen_edit_components(seed=0)
-    for name in ("transformer", "vae", "text_encoder", "processor"):
-        parts[name].save_pretrained(tmp_path / name)
-    FlowMatchEulerDiscreteScheduler(**parts["scheduler_config"]).save_config(tmp_path / "scheduler")
+    save_diffusers_layout(tiny_qwen_edit_components(seed=0), tmp_path, ("transformer", "vae", "text_encoder",
+                                                                        "processor"))
     real = QwenEditPolicy.load(_cfg().model_copy(update={"tiny": False, "path": str(tmp_path)}), CPU)
     tiny = QwenEditPolicy.load(_cfg(), CPU)
     assert real.shift == tiny.shift and real.shift_terminal == 0.02 and real.template_drop == tiny.template_drop

@@ -31,7 +31,7 @@ from pydantic import Field
 
 import kernels
 from paco_ds.config import Config, LossSection
-from paco_ds.grpo.losses.base import Loss, OldPolicy, RolloutNeeds, refuse_sde_log_prob_keys
+from paco_ds.grpo.losses.base import Loss, OldPolicy, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator
 
@@ -64,16 +64,10 @@ class AWMConfig(LossSection):
 
     def check(self, cfg) -> None:
         refuse_sde_log_prob_keys(cfg, "awm")
+        check_drawn_levels(cfg, "awm", self.timestep_sampling)
         n = cfg.sample.num_steps
         if self.timestep_sampling == "fixed":
-            steps = cfg.train_timesteps
-            if not steps or any(j >= n for j in steps):
-                raise ValueError(f"train.timesteps {steps}: train.awm.timestep_sampling=fixed trains these step "
-                                 f"indices; give at least one, each < sample.num_steps={n}")
             return
-        if cfg.train.timesteps is not None:
-            raise ValueError(f"train.timesteps: only with train.awm.timestep_sampling=fixed (with "
-                             f"{self.timestep_sampling}, train.awm.num_timesteps levels are drawn)")
         if self.timestep_sampling.startswith("discrete"):
             end, k = int(n * self.timestep_fraction), self.num_timesteps
             room = end - 1 if self.timestep_sampling == "discrete_wo_init" else end  # strata of width >= 1

@@ -118,3 +118,18 @@ def refuse_sde_log_prob_keys(cfg: Config, loss: str) -> None:
     if getattr(getattr(cfg.train, "ppo", None), "ratio_norm", False) or cfg.sample.sde_window is not None:
         raise ValueError(f"train.loss={loss} trains on clean latents: train.ppo.ratio_norm and sample.sde_window "
                          "apply to SDE log-prob losses only")
+
+
+def check_drawn_levels(cfg: Config, loss: str, timestep_sampling: str) -> None:
+    """For a loss that trains on noise levels of its own choosing (`train.<loss>.timestep_sampling`):
+    `fixed` trains the schedule's sigmas at train.timesteps (at least one, each < sample.num_steps);
+    any other sampling draws `train.<loss>.num_timesteps` levels, so train.timesteps is not its."""
+    n = cfg.sample.num_steps
+    if timestep_sampling == "fixed":
+        steps = cfg.train_timesteps
+        if not steps or any(j >= n for j in steps):
+            raise ValueError(f"train.timesteps {steps}: train.{loss}.timestep_sampling=fixed trains these step "
+                             f"indices; give at least one, each < sample.num_steps={n}")
+    elif cfg.train.timesteps is not None:
+        raise ValueError(f"train.timesteps: only with train.{loss}.timestep_sampling=fixed (with "
+                         f"{timestep_sampling}, train.{loss}.num_timesteps levels are drawn)")

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from paco_ds.config import Config, LossSection
-from paco_ds.grpo.losses.base import Loss, RolloutNeeds, refuse_sde_log_prob_keys
+from paco_ds.grpo.losses.base import Loss, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator
 
@@ -78,16 +78,7 @@ class DPOConfig(LossSection):
         if cfg.sample.same_latent and cfg.sample.noise_level == 0:
             raise ValueError("sample.same_latent with sample.noise_level 0: an ODE rollout from one latent per "
                              "group gives k equal images, so train.loss=dpo would find no pair")
-        n = cfg.sample.num_steps
-        if self.timestep_sampling == "fixed":
-            steps = cfg.train_timesteps
-            if not steps or any(j >= n for j in steps):
-                raise ValueError(f"train.timesteps {steps}: train.dpo.timestep_sampling=fixed trains these step "
-                                 f"indices; give at least one, each < sample.num_steps={n}")
-        elif cfg.train.timesteps is not None:
-            raise ValueError("train.timesteps: only with train.dpo.timestep_sampling=fixed (with uniform, "
-                             "train.dpo.num_timesteps levels are drawn)")
-
+        check_drawn_levels(cfg, "dpo", self.timestep_sampling)
 
 def best_worst_pairs(groups: list[int], advantages: list[float], keep: list[bool],
                      margin: float = 0.0) -> list[tuple[int, int]]:
