@@ -14,7 +14,8 @@
 
     python benchmarks/rollout_speedups.py --repeats 2          # 1. on CPU, minutes
     python benchmarks/rollout_speedups.py --quick --curves     # tiny model, plus 2.
-Writes benchmarks/results/rollout_speedups_<cpu|cuda>.json.
+    python benchmarks/rollout_speedups.py --batches 1 2 4 8    # only sample.batch_size, side by side
+Writes benchmarks/results/rollout_speedups_<cpu|cuda>.json (rollout_batches_<cpu|cuda>.json).
 """
 from __future__ import annotations
 
@@ -101,6 +102,49 @@ def sampling(args) -> dict:
     return {"images": len(picks), "group_size": args.group_size, "steps": args.steps, "size": size, "rows": rows}
 
 
+def rollout_batches(args) -> dict:
+    """`sample.batch_size`: the same images sampled in rollout batches of each size (the plain
+    sampler), the sizes alternating over the repeats; images/s against one image per batch."""
+    import torch
+
+    from grpo_vs_reference import load_policy
+    from paco_ds.data import PromptItem
+    from paco_ds.grpo.losses.base import RolloutNeeds
+    from paco_ds.grpo.plan import load_config
+    from paco_ds.sampling.rollouts import Pick, Rollouts
+
+    device = torch.device(args.device)
+    policy = load_policy(args, device)
+    cfg = load_config(REPO / "configs" / "flux_t2is.yaml", TINY_DATA + [
+        f"sample.num_steps={args.steps}", "sample.noise_steps=[1]", "sample.share_prefix=false"])
+    ro = Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps)
+    picks = [Pick(PromptItem(PROMPTS[i % len(PROMPTS)]), i, i) for i in range(args.images)]
+    sizes = args.batches
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for rep in range(args.repeats):
+        for b in sizes[rep % len(sizes):] + sizes[:rep % len(sizes)]:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(0, len(picks), b):
+                ro.sample(policy.transformer, picks[i:i + b], args.size, args.size, epoch=rep)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[b].append(time.perf_counter() - t0)
+            print(f"  rep {rep} batch {b:2d} {times[b][-1]:7.2f} s", flush=True)
+    base = statistics.median(times[sizes[0]])
+    rows = {str(b): {"seconds": times[b], "images_per_s": len(picks) / statistics.median(times[b]),
+                     "speed_vs_first": base / statistics.median(times[b])} for b in sizes}
+    print(f"\nrollout batches: {len(picks)} images, {args.steps} steps, {args.size} px, "
+          f"{'tiny model' if args.quick else 'reduced-depth full-width FLUX'}, {torch.get_num_threads()} threads, "
+          f"{args.repeats} repeats")
+    print(f"{'sample.batch_size':>17s} {'images/s':>9s} {f'vs {sizes[0]}':>8s}")
+    for b, r in rows.items():
+        print(f"{b:>17s} {r['images_per_s']:9.3f} {r['speed_vs_first']:7.2f}x")
+    return {"images": len(picks), "steps": args.steps, "size": args.size, "threads": torch.get_num_threads(),
+            "rows": rows}
+
+
 def curves(args) -> dict:
     """Tiny-recipe training runs: the plain sampler and the ODE switch, 3 seeds each."""
     deepspeed = Path(sys.executable).parent / "deepspeed"
@@ -162,9 +206,16 @@ def main(argv=None) -> dict:
     p.add_argument("--curves", action="store_true", help="also the tiny recipe's training runs (3 seeds)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=None, metavar="B",
+                   help="only the rollout batch sizes (sample.batch_size) side by side, e.g. 1 2 4 8")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     info = machine()
+    if args.batches:
+        report = {"rollout_batches": rollout_batches(args), "load_average_at_end": os.getloadavg()}
+        path = write_report(f"rollout_batches_{args.device}", report, Path(args.out), info)
+        print(f"\nwrote {path}")
+        return report
     report = {"sampling": sampling(args)}
     if args.curves:
         report["curves"] = curves(args)

@@ -156,6 +156,21 @@ def test_the_benchmark_counts_each_switchs_calls(tmp_path):
     assert (tmp_path / "rollout_speedups_cpu.json").is_file()
 
 
+def test_the_benchmark_times_rollout_batch_sizes_side_by_side(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rollout_speedups import main
+
+    rows = main(["--quick", "--repeats", "2", "--images", "4", "--size", "32", "--batches", "1", "2",
+                 "--out", str(tmp_path)])["rollout_batches"]["rows"]
+    assert set(rows) == {"1", "2"} and rows["1"]["speed_vs_first"] == 1
+    assert all(len(r["seconds"]) == 2 and r["images_per_s"] > 0 for r in rows.values())
+    report = json.loads((tmp_path / "rollout_batches_cpu.json").read_text())
+    assert report["rollout_batches"]["images"] == 4 and report["machine"]["cores"]
+
+
 def test_the_dry_run_says_how_a_rollout_walks_its_steps():
     from paco_ds.grpo.plan import rollout_line
 
