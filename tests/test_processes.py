@@ -24,14 +24,20 @@ def _leader(code: str) -> subprocess.Popen:
 
 
 def test_a_process_is_known_by_pid_and_start_time_and_a_zombie_has_ended():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Wait for the child's own line: between fork and exec its command line is briefly empty.
+    code = "print('ready', flush=True); import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
     started = processes.start_time(proc.pid)
     assert processes.alive(proc.pid) and processes.alive(proc.pid, started)
     assert not processes.alive(proc.pid, started - 1.0)  # the pid, reused by another process
     assert processes.parent(proc.pid) == __import__("os").getpid()
-    assert processes.cmdline(proc.pid)[-1] == "import time; time.sleep(60)"
+    assert processes.cmdline(proc.pid)[-1] == code
     proc.kill()
-    time.sleep(0.2)  # a zombie until reaped: alive() reaps our own child and says it has ended
+    # A zombie until reaped: alive() reaps our own child and says it has ended (once the kill lands).
+    deadline = time.monotonic() + 10
+    while processes.alive(proc.pid, started) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not processes.alive(proc.pid, started)
     assert processes.start_time(proc.pid) is None and processes.parent(proc.pid) == 0
 
