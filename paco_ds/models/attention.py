@@ -7,6 +7,17 @@ Checked before anything loads: the name (one line listing the known ones), a bac
 download its kernel from the Hub at run time (refused: nothing downloads at run time), the packages
 diffusers requires for it, a family whose attention does not go through the dispatcher (the setting
 would do nothing), and, in the training processes, whether it can run on their device.
+
+The Qwen2.5-VL models (the judge's built-in hf engine, `reward_servers.attn_implementation`, and the
+reward-model SFT, `model.attn_implementation`) take transformers' names for the same choice, checked
+the same way by `check_attn_implementation`:
+
+    policy (diffusers)   judge / SFT (transformers)
+    native               sdpa            (the default of both)
+    flash                flash_attention_2
+    _flash_3             flash_attention_3
+    flex                 flex_attention
+    _native_math         eager
 """
 from __future__ import annotations
 
@@ -53,3 +64,46 @@ def set_attention_backend(transformer, name: str | None) -> None:
     if not routed:  # the dispatcher changed no processor: the setting would silently do nothing
         raise ConfigError(f"config key '{KEY}': no attention processor of {type(transformer).__name__} took "
                           f"'{name}'")
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers' `attn_implementation` (the judge's hf engine, the reward-model SFT)
+# ------------------------------------------------------------------------------------------------
+# The implementations that run on a CPU device; the flash ones need CUDA and their package.
+TRANSFORMERS_CPU = ("eager", "sdpa", "flex_attention")
+FLASH_PACKAGES = {"flash_attention_2": "flash-attn 2 (on a CUDA machine: pip install -e '.[flash]')",
+                  "flash_attention_3": "flash-attn 3 (FlashAttention's Hopper build, flash_attn_interface)",
+                  "flash_attention_4": "flash-attn 4 (flash_attn.cute)"}
+
+
+def check_attn_implementation(name: str | None, key: str, device=None) -> None:
+    """Raise ConfigError (one line naming `key`) where transformers' attention implementation `name`
+    cannot run (on `device`, when given). Checked before anything loads: transformers itself would
+    fetch a missing flash kernel from the Hub at load time, and nothing downloads at run time."""
+    if name is None:
+        return
+    from transformers import utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *(k for k in ALL_ATTENTION_FUNCTIONS if "|" not in k)]  # `paged|...`: generation caches only
+    if "/" in name:
+        raise ConfigError(f"config key '{key}': '{name}' is a kernel on the Hugging Face Hub, fetched when the model "
+                          f"loads; install its package and use one of: {', '.join(known)}")
+    if name not in known:
+        raise ConfigError(f"config key '{key}': unknown attention implementation '{name}'{suggest(name, known)}; "
+                          f"known: {', '.join(known)}")
+    if name in FLASH_PACKAGES and not getattr(utils, f"is_{name.replace('_attention', '_attn')}_available")():
+        raise ConfigError(f"config key '{key}': '{name}' needs {FLASH_PACKAGES[name]}, which is not installed here")
+    if device is not None and getattr(device, "type", str(device)) != "cuda" and name not in TRANSFORMERS_CPU:
+        raise ConfigError(f"config key '{key}': '{name}' runs on CUDA devices; this process runs on {device} "
+                          f"(on a CPU: {', '.join(TRANSFORMERS_CPU)})")
+
+
+def attn_implementation_field(value: str | None) -> str | None:
+    """A pydantic validator's body for an `attn_implementation` key: the name and its package at load
+    (the loader names the key and the file:line); the device is checked where the model loads."""
+    try:
+        check_attn_implementation(value, "attn_implementation")
+    except ConfigError as err:
+        raise ValueError(str(err).split(": ", 1)[1]) from None
+    return value

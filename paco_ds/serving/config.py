@@ -71,10 +71,20 @@ class ServersConfig(_Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     max_batch_size: int = Field(16, ge=1)
     batch_wait_ms: float = Field(5.0, ge=0)
+    # transformers' attention implementation (paco_ds/models/attention.py): sdpa (default), eager,
+    # flex_attention, flash_attention_2 (the `flash` extra), ...; vLLM picks its own backend.
+    attn_implementation: str | None = None
     # Security: the name of an environment variable holding a bearer token. When it is set, the
     # servers and the gateway require it and the clients send it; the token never goes on a command line.
     api_key_env: str = API_KEY_ENV
     startup_timeout: float = Field(600.0, gt=0)
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention_runs_here(cls, v: str | None) -> str | None:
+        from paco_ds.models.attention import attn_implementation_field
+
+        return attn_implementation_field(v)
 
     @field_validator("models")
     @classmethod
@@ -89,6 +99,10 @@ class ServersConfig(_Section):
     def _engine_fits(self) -> "ServersConfig":
         if self.engine == "vllm" and any(m.tiny for m in self.models):
             raise ValueError("'tiny: true' models need engine: hf (vLLM loads checkpoints only)")
+        if self.attn_implementation is not None:
+            if self.engine == "vllm":
+                raise ValueError("attn_implementation is the hf engine's; vLLM picks its attention backend itself "
+                                 "(set VLLM_ATTENTION_BACKEND in its environment to choose one)")
         for m in self.models:
             vocab = judge_vocab_size(m)
             if vocab is not None and self.max_logprobs > vocab:

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from paco_ds.dtypes import DTYPES, resolve_dtype
+from paco_ds.errors import ConfigError
 from paco_ds.serving.config import API_KEY_ENV
 from paco_ds.serving.protocol import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_PREPARE_MEMORY_MB, PREPARE_BYTES_PER_PIXEL,
                                      ApiError, ChatCompletionRequest, MemoryBudget, Message, check_image_count,
@@ -110,14 +111,19 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | None, tiny: bool = False, device: str = "auto", dtype: str = "auto",
-             max_model_len: int = 8192) -> "Engine":
+             max_model_len: int = 8192, attn_implementation: str | None = None) -> "Engine":
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
         torch_dtype = resolve_dtype(dtype, dev)
+        from paco_ds.models.attention import check_attn_implementation
+
+        check_attn_implementation(attn_implementation, "reward_servers.attn_implementation", dev)
         if tiny:
             from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 
             model, processor = tiny_qwen2_5_vl()
+            if attn_implementation:
+                model.set_attn_implementation(attn_implementation)
         else:
             if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
                 raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -125,7 +131,8 @@ class Engine:
 
             path = os.path.expanduser(path)
             processor = AutoProcessor.from_pretrained(path)
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+            model = AutoModelForImageTextToText.from_pretrained(
+                path, dtype=torch_dtype, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
         return cls(model.to(device=dev, dtype=torch_dtype), processor, max_model_len)
 
     # -------------------------------------------------------------------------------- requests
@@ -509,6 +516,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--attn-implementation", default=None,
+                   help="transformers' attention implementation (sdpa, eager, flash_attention_2, ...)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-wait-ms", type=float, default=5.0)
     p.add_argument("--max-logprobs", type=int, default=20)
@@ -525,7 +534,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = Engine.load(args.model, args.tiny, args.device, args.dtype, args.max_model_len)
+        engine = Engine.load(args.model, args.tiny, args.device, args.dtype, args.max_model_len,
+                             args.attn_implementation)
+    except ConfigError as err:  # e.g. a flash implementation on a CPU device
+        log.error("%s", err)
+        raise SystemExit(2) from None
     except (OSError, ValueError) as err:  # the manager shows this line as the reason the server died
         log.error("cannot load model %s: %s", args.model, err)
         raise SystemExit(2) from None

@@ -86,7 +86,8 @@ def hf_engine_command(model, cfg: ServersConfig, host: str, port: int, python: s
             "--batch-wait-ms", f"{cfg.batch_wait_ms:g}", "--max-logprobs", str(cfg.max_logprobs),
             "--max-images", str(cfg.max_images), "--max-body-mb", f"{cfg.max_body_mb:g}",
             "--max-image-pixels", str(cfg.max_image_pixels), "--prepare-memory-mb", f"{cfg.prepare_memory_mb:g}",
-            "--api-key-env", cfg.api_key_env]
+            "--api-key-env", cfg.api_key_env,
+            *(["--attn-implementation", cfg.attn_implementation] if cfg.attn_implementation else [])]
 
 
 def plan(cfg: ServersConfig, gpus: list[int], exit_with_parent: bool = False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section
 from paco_ds.recipe import load_recipe
@@ -23,12 +23,21 @@ class SFTModelConfig(Section):
     tiny: bool = False  # a tiny random-weight Qwen2.5-VL built offline (written to <run>/tiny_base)
     # auto: bf16 on GPU, fp32 on CPU; with bf16 DeepSpeed keeps fp32 master weights of the LoRA
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    attn_implementation: str | None = None  # e.g. "flash_attention_2"; None: transformers' default (sdpa)
+    # transformers' attention implementation, checked as the judge's (paco_ds/models/attention.py):
+    # e.g. "flash_attention_2" (the `flash` extra); None: transformers' default (sdpa)
+    attn_implementation: str | None = None
     image_max_pixels: int = Field(2 * 1024**2, gt=0)  # the reference's image_max_pixels
     image_min_pixels: int = Field(32 * 32, gt=0)  # LLaMA-Factory's default image_min_pixels
     freeze_vision_tower: bool = True
     freeze_multi_modal_projector: bool = True
     gradient_checkpointing: bool = False
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention_runs_here(cls, v: str | None) -> str | None:
+        from paco_ds.models.attention import attn_implementation_field
+
+        return attn_implementation_field(v)
 
     @model_validator(mode="after")
     def _pixels(self) -> "SFTModelConfig":

@@ -42,6 +42,9 @@ def merge_adapter(cfg: SFTConfig, adapter_dir: Path, out_dir: Path, device: str 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UserError(f"no peft adapter (adapter_config.json) in {adapter_dir}")
+    from paco_ds.models.attention import check_attn_implementation
+
+    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation", torch.device(device))
     base = base_path(cfg)
     if cfg.model.tiny:
         write_tiny_base(base, cfg.seed)

@@ -367,6 +367,9 @@ def run(cfg: SFTConfig, resume: str | None = None) -> None:
     stopping.install(save_first=False)
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    from paco_ds.models.attention import check_attn_implementation
+
+    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation", dist.device)
     from paco_ds.runlock import fit_in_run_dir
 
     # One run per run directory, as GRPO runs; a full disk or a deleted run directory is one line.

@@ -30,3 +30,24 @@ def test_a_flash_backend_equals_sdpa_in_bf16(backend):
         out = policy.velocity(policy.transformer, x, 0.7, emb, 256, 256, 3.5).float()
     scale = ref.abs().mean()
     assert ((out - ref).abs().mean() / scale) < 2e-2, f"{backend}: mean error {(out - ref).abs().mean() / scale:.3e}"
+
+
+def test_the_judge_with_flash_attention_2_equals_sdpa_in_bf16():
+    """The judge's hf engine with `reward_servers.attn_implementation: flash_attention_2`: the tiny
+    Qwen2.5-VL's next-token log-probs (what a P(Yes) reward reads) equal SDPA's within bf16 rounding."""
+    from paco_ds.errors import ConfigError
+    from paco_ds.models.attention import check_attn_implementation
+    from paco_ds.serving.hf_engine import Engine
+
+    try:
+        check_attn_implementation("flash_attention_2", "reward_servers.attn_implementation", torch.device("cuda"))
+    except ConfigError as err:
+        pytest.skip(str(err))
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 41]], device="cuda")
+    out = {}
+    for name in ("sdpa", "flash_attention_2"):
+        engine = Engine.load(None, tiny=True, device="cuda", dtype="bf16", attn_implementation=name)
+        with torch.no_grad():
+            out[name] = engine.model(input_ids=ids).logits.float().log_softmax(-1)
+    err = (out["flash_attention_2"] - out["sdpa"]).abs().max().item()
+    assert err < 5e-2, f"flash_attention_2 vs sdpa: largest log-prob difference {err:.3e}"

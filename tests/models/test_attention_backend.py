@@ -60,3 +60,61 @@ def test_the_backend_reaches_every_attention_processor_and_keeps_the_output(tiny
                 if hasattr(getattr(m, "processor", None), "_attention_backend")}
     assert backends == {"_native_math"}
     assert torch.allclose(before, after, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The same choice for the Qwen2.5-VL models: the judge's hf engine and the reward-model SFT take
+# transformers' `attn_implementation`, checked the same way.
+# ------------------------------------------------------------------------------------------------
+def test_the_judge_and_sft_refuse_what_cannot_run_in_one_line_naming_the_key(tmp_path):
+    from paco_ds.sft.config import load_sft_config
+
+    for key, load in (("reward_servers.attn_implementation", lambda s: load_config(TINY, [s])),
+                      ("model.attn_implementation", lambda s: load_sft_config("configs/tiny/reward_sft.yaml", [s]))):
+        for value, expect in (("spda", "unknown attention implementation 'spda' (did you mean 'sdpa'?)"),
+                              ("kernels-community/flash-attn2", "a kernel on the Hugging Face Hub"),
+                              ("flash_attention_2", "needs flash-attn 2")):  # not installed here
+            with pytest.raises(ConfigError) as err:
+                load(f"{key}={value}")
+            assert f"config key '{key}'" in str(err.value) and expect in str(err.value) and "\n" not in str(err.value)
+        load(f"{key}=eager")
+    with pytest.raises(ConfigError, match="vLLM picks its attention backend itself"):
+        load_config(TINY, ["reward_servers.engine=vllm", "reward_servers.models=[{name: j, path: /x}]",
+                           "reward_servers.attn_implementation=sdpa"])
+
+
+def test_a_flash_implementation_is_refused_on_a_cpu_device(monkeypatch):
+    import transformers.utils
+
+    from paco_ds.models.attention import check_attn_implementation
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)  # as on a GPU machine
+    check_attn_implementation("flash_attention_2", "model.attn_implementation")  # the name and package pass
+    with pytest.raises(ConfigError, match=r"'flash_attention_2' runs on CUDA devices; this process runs on cpu"):
+        check_attn_implementation("flash_attention_2", "model.attn_implementation", torch.device("cpu"))
+
+
+def test_the_judge_engine_and_the_sft_model_load_with_the_choice_and_score_the_same(tmp_path):
+    """eager against the default (SDPA): the setting reaches the model and changes no score."""
+    from paco_ds.serving.hf_engine import Engine
+    from paco_ds.sft.config import load_sft_config
+    from paco_ds.sft.model import load_model, write_tiny_base
+
+    engines = {name: Engine.load(None, tiny=True, device="cpu", attn_implementation=name) for name in (None, "eager")}
+    assert engines["eager"].model.config.text_config._attn_implementation == "eager"
+    assert engines[None].model.config.text_config._attn_implementation == "sdpa"
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        logits = {k: e.model(input_ids=ids).logits for k, e in engines.items()}
+    assert torch.allclose(logits[None], logits["eager"], atol=1e-5)
+
+    write_tiny_base(tmp_path / "base", 0)
+    cfg = load_sft_config("configs/tiny/reward_sft.yaml", ["model.attn_implementation=eager"])
+    model = load_model(tmp_path / "base", cfg, torch.float32)
+    assert model.config.text_config._attn_implementation == "eager"
+
+
+def test_a_judge_started_with_what_cannot_run_exits_2_with_one_line():
+    proc = run_cli("-m", "paco_ds.serving.hf_engine", "--tiny", "--served-model-name", "j", "--device", "cpu",
+                   "--attn-implementation", "flash_attention_2")
+    assert "config key 'reward_servers.attn_implementation': 'flash_attention_2' needs flash-attn 2" in one_line_error(proc)
