@@ -1,4 +1,4 @@
-"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows and a loss from tests/ for real: the
+"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows, CPS sampling and a loss from tests/ for real: the
 deepspeed launcher, 2 ZeRO-3 CPU processes, and the run resumed from its epoch-1 checkpoint matches the
 uninterrupted one."""
 import math
@@ -56,6 +56,15 @@ def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(t
         for t in (0, 1):
             for k in ("raw_mean", "raw_std", "norm_mean", "norm_std"):
                 assert f"train/guard/window{t}/logratio_{k}" in r
+
+
+def test_cps_sampling_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
+    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_cps.yaml")
+    for r in rows:
+        assert r["train/ratio_first"] == 1.0  # CPS's stored log-prob, recomputed in training: ratio 1
+        # per rank: 4 samples x 6 noisy steps in the rollout + the same 24 recomputed in training
+        assert r["train/sde_logprob_rows"] == 48 and r["train/micro_steps"] == 24
+    assert rows[1]["train/grad_norm"] > 0
 
 
 def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):

@@ -80,14 +80,27 @@ def test_sigmas_are_the_sd3_schedulers(steps):
 
 
 # ---------------------------------------------------------------------------------------------- SDE
-def flow_grpo_sde(sigmas, step_index, model_output, sample, noise_level, prev_sample=None, variance_noise=None):
-    """sde_step_with_logprob of Flow-GRPO's sd3_sde_with_logprob.py, written out line by line
-    (the scheduler reduced to its sigma table; noise passed in instead of drawn)."""
+def flow_grpo_sde(sigmas, step_index, model_output, sample, noise_level, prev_sample=None, variance_noise=None,
+                  sde_type="sde"):
+    """sde_step_with_logprob of Flow-GRPO's flow_grpo/diffusers_patch/sd3_sde_with_logprob.py, written
+    out step by step (the scheduler reduced to its sigma table; noise passed in instead of drawn), with
+    both of its branches: sde_type "sde" (Flow-GRPO's SDE, paco_ds's "flow_grpo") and "cps"
+    (coefficients-preserving sampling, arXiv 2509.05952: a DDIM-like step whose noise keeps the
+    coefficients of x0 and x1 those of the next sigma; its log-prob drops every constant)."""
     model_output, sample = model_output.float(), sample.float()
     sigma = sigmas[step_index].view(-1, *([1] * (sample.ndim - 1)))
     sigma_prev = sigmas[[i + 1 for i in step_index]].view(-1, *([1] * (sample.ndim - 1)))
     sigma_max = sigmas[1].item()
     dt = sigma_prev - sigma
+    if sde_type == "cps":
+        std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+        x0_estimate = sample - sigma * model_output
+        x1_estimate = sample + (1 - sigma) * model_output
+        mean = x0_estimate * (1 - sigma_prev) + x1_estimate * torch.sqrt(sigma_prev ** 2 - std_dev_t ** 2)
+        if prev_sample is None:
+            prev_sample = mean + std_dev_t * variance_noise
+        log_prob = -((prev_sample.detach() - mean) ** 2)
+        return prev_sample, log_prob.mean(dim=tuple(range(1, log_prob.ndim))), mean, std_dev_t
     std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
     mean = sample * (1 + std_dev_t ** 2 / (2 * sigma) * dt) + model_output * (1 + std_dev_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if prev_sample is None:
@@ -97,23 +110,31 @@ def flow_grpo_sde(sigmas, step_index, model_output, sample, noise_level, prev_sa
     return prev_sample, log_prob.mean(dim=tuple(range(1, log_prob.ndim))), mean, std_dev_t
 
 
+@pytest.mark.parametrize("ours_type, theirs_type", [("flow_grpo", "sde"), ("cps", "cps")])
 @pytest.mark.parametrize("step", [0, 4, 9])  # sigma == 1 (guarded), the middle, the last (to sigma 0)
-def test_flow_grpo_sde_type_is_flow_grpos_sd3_step(step):
+def test_each_sde_type_is_flow_grpos_sd3_step(step, ours_type, theirs_type):
     sigmas = sd3_sigmas(10, 3.0)
     g = torch.Generator().manual_seed(step)
     x, v, noise = (torch.randn(3, 16, 8, 8, generator=g) for _ in range(3))
-    ref_next, ref_lp, ref_mean, ref_std = flow_grpo_sde(sigmas, [step] * 3, v, x, 0.7, variance_noise=noise)
+    ref_next, ref_lp, ref_mean, ref_std = flow_grpo_sde(sigmas, [step] * 3, v, x, 0.7, variance_noise=noise,
+                                                       sde_type=theirs_type)
     ours = sde_step(x, v, sigmas[step].item(), sigmas[step + 1].item(), 0.7, sigmas[1].item(), noise=noise,
-                    sde_type="flow_grpo")
+                    sde_type=ours_type)
     assert torch.allclose(ours.prev_sample, ref_next, rtol=0, atol=1e-6)
     assert torch.allclose(ours.log_prob, ref_lp, rtol=1e-6, atol=1e-6)
     assert torch.allclose(ours.mean, ref_mean, rtol=0, atol=1e-6)
     assert torch.allclose(ours.std, ref_std.reshape(-1), rtol=1e-6)
     scored = sde_step(x, v, sigmas[step].item(), sigmas[step + 1].item(), 0.7, sigmas[1].item(),
-                      prev_sample=ref_next, sde_type="flow_grpo")  # training: the stored sample scored
-    _, ref_scored, _, _ = flow_grpo_sde(sigmas, [step] * 3, v, x, 0.7, prev_sample=ref_next)
+                      prev_sample=ref_next, sde_type=ours_type)  # training: the stored sample scored
+    _, ref_scored, _, _ = flow_grpo_sde(sigmas, [step] * 3, v, x, 0.7, prev_sample=ref_next, sde_type=theirs_type)
     assert torch.allclose(scored.log_prob, ref_scored, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(ref_lp).all()
+    # a policy's step (another velocity) scores the same stored sample alike: what the ratio reads
+    v2 = v + 0.05 * torch.randn(v.shape, generator=g)
+    moved = sde_step(x, v2, sigmas[step].item(), sigmas[step + 1].item(), 0.7, sigmas[1].item(),
+                     prev_sample=ref_next, sde_type=ours_type)
+    _, ref_moved, _, _ = flow_grpo_sde(sigmas, [step] * 3, v2, x, 0.7, prev_sample=ref_next, sde_type=theirs_type)
+    assert torch.allclose(moved.log_prob, ref_moved, rtol=1e-5, atol=1e-6) and not torch.equal(moved.log_prob, scored.log_prob)
 
 
 def test_rollout_log_probs_are_flow_grpos_and_recompute_exactly(policy):
