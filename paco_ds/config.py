@@ -108,13 +108,25 @@ class DataConfig(Section):
 
 
 class SDEWindow(Section):
-    """Flow-GRPO-Fast: `size` consecutive SDE steps (stochastic, log-probbed and trained; every other
-    step is ODE) starting at a seeded random index in [range[0], range[1] - size], drawn anew each
-    epoch or for each prompt group. PaCo's `noise_steps: [1]` is the fixed size-1 case."""
+    """`size` consecutive SDE steps (stochastic, log-probbed and trained; every other step is ODE)
+    inside [range[0], range[1]). Flow-GRPO-Fast (`schedule: random`): the start is a seeded random
+    index, drawn anew each epoch or for each prompt group; PaCo's `noise_steps: [1]` is the fixed
+    size-1 case. MixGRPO (`schedule: sliding`): the start moves `stride` steps every `shift_every`
+    epochs from range[0], and stays at range[1] - size (or, with `roll_back`, starts over)."""
 
     size: int = Field(1, ge=1)
     range: tuple[int, int] = (0, 1)  # [first, end) step indices the window lies in
     per: Literal["epoch", "group"] = "epoch"
+    schedule: Literal["random", "sliding"] = "random"
+    shift_every: int = Field(1, ge=1)  # sliding: epochs between moves (MixGRPO's shift interval tau)
+    stride: int = Field(1, ge=1)  # sliding: steps per move (MixGRPO's window stride s)
+    roll_back: bool = False  # sliding: past the end, start over at range[0] instead of staying there
+
+    @model_validator(mode="after")
+    def _sliding_is_per_epoch(self) -> "SDEWindow":
+        if self.schedule == "sliding" and self.per != "epoch":
+            raise ValueError("a sliding window moves with the epoch: it is the same for every group (per: epoch)")
+        return self
 
 
 class SampleConfig(Section):

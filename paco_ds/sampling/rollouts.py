@@ -23,7 +23,7 @@ from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
 from paco_ds.sampling.trajectory import Trajectory, make_generator, ode_prefix, sample_trajectories
 from paco_ds.sampling.solver import plan_for
-from paco_ds.sampling.window import rollout_steps
+from paco_ds.sampling.window import rollout_steps, window_start
 
 class Pick(NamedTuple):
     """One sample to draw: its prompt, its GRPO group (the prompt's index; the seed of an
@@ -49,7 +49,7 @@ class Rollouts:
         self.gather_once = gather_once
         self.train_timesteps = list(train_timesteps)
         self.needs = needs
-        self.plan = plan_for(cfg)
+        self.plan, self._plan_epoch = plan_for(cfg), None  # a sliding SDE window re-plans each epoch (sample)
         # sample.share_prefix with same_latent: per prompt group of the epoch, its latents up to its first SDE step
         self.share_prefix = share_prefix and cfg.sample.same_latent
         self._prefixes: dict[tuple, dict[int, torch.Tensor]] = {}
@@ -94,6 +94,10 @@ class Rollouts:
         """One training rollout batch: the recipe's noise steps (or SDE window), log pi_old of the
         trained steps and what the loss needs; latents and noise keyed by (seed, epoch, position)."""
         cfg, seed = self.cfg, self.cfg.seed
+        win = cfg.sample.sde_window
+        if win is not None and win.schedule == "sliding" and self._plan_epoch != epoch:
+            # every rollout of the epoch has its window at one place: the ODE stretches are around it
+            self.plan, self._plan_epoch = plan_for(cfg, window_start(cfg, epoch)), epoch
         prompts = [p.item.prompt for p in picks]
         latent_keys = [(p.group if cfg.sample.same_latent else f"p{p.position}") for p in picks]
         x0 = self.policy.initial_latents(len(picks), h, w,

@@ -35,13 +35,18 @@ def unit_steps(num_steps: int) -> list[Step]:
     return [Step(i, i + 1) for i in range(num_steps)]
 
 
-def ode_stretches(cfg: Config) -> list[tuple[int, int]]:
-    """The [start, end) step ranges of every training rollout that hold no SDE step."""
+def ode_stretches(cfg: Config, window_at: int | None = None) -> list[tuple[int, int]]:
+    """The [start, end) step ranges of every training rollout that hold no SDE step; `window_at`:
+    where the SDE window starts in every rollout of the epoch (a sliding window), if known."""
     n, s = cfg.sample.num_steps, cfg.sample
     if s.noise_level == 0 or (s.sde_window is None and not s.noise_steps):
         return [(0, n)]
-    first, last = (s.sde_window.range[0], s.sde_window.range[1] - 1) if s.sde_window is not None else \
-        (min(s.noise_steps), max(s.noise_steps))
+    if s.sde_window is not None and window_at is not None:
+        first, last = window_at, window_at + s.sde_window.size - 1
+    elif s.sde_window is not None:  # a random window may lie anywhere in its range
+        first, last = s.sde_window.range[0], s.sde_window.range[1] - 1
+    else:
+        first, last = min(s.noise_steps), max(s.noise_steps)
     return [(a, b) for a, b in ((0, first), (last + 1, n)) if b > a]
 
 
@@ -59,9 +64,11 @@ def step_plan(num_steps: int, stretches: list[tuple[int, int]], solver: str = "e
     return plan
 
 
-def plan_for(cfg: Config) -> list[Step]:
-    """A training rollout's steps under the recipe's sample.ode_solver and sample.ode_steps."""
-    return step_plan(cfg.sample.num_steps, ode_stretches(cfg), cfg.sample.ode_solver, cfg.sample.ode_steps)
+def plan_for(cfg: Config, window_at: int | None = None) -> list[Step]:
+    """A training rollout's steps under the recipe's sample.ode_solver and sample.ode_steps (around a
+    window that starts at `window_at`, where every rollout's starts there)."""
+    return step_plan(cfg.sample.num_steps, ode_stretches(cfg, window_at), cfg.sample.ode_solver,
+                     cfg.sample.ode_steps)
 
 
 def multistep_velocity(v: torch.Tensor, v_prev: torch.Tensor, h_prev: float, h: float) -> torch.Tensor:

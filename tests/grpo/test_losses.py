@@ -86,8 +86,45 @@ def test_sde_window_is_seeded_in_range_and_per_group():
     assert noise[1] == list(range(window_start(cfg, 3, 9), window_start(cfg, 3, 9) + 2))
 
 
+def mixgrpo_start(iteration, tau, stride, first, last, roll_back):
+    """MixGRPO's progressive window, moved one iteration at a time as its scheduler moves it: after
+    every `tau` iterations the start advances by `stride`; past `last` it stays there (the window
+    keeps its size) or, with roll-back, returns to `first`."""
+    start = first
+    for it in range(1, iteration + 1):
+        if it % tau == 0:
+            start += stride
+            if start > last:
+                start = first if roll_back else last
+    return start
+
+
+@pytest.mark.parametrize("tau, stride, roll_back", [(1, 1, False), (3, 2, False), (2, 2, True), (1, 3, True)])
+def test_a_sliding_window_follows_mixgrpos_progressive_schedule(tau, stride, roll_back):
+    cfg = load_config(TINY, [f"sample.sde_window={{size: 3, range: [1, 10], schedule: sliding, shift_every: {tau}, "
+                             f"stride: {stride}, roll_back: {str(roll_back).lower()}}}", "sample.num_steps=10"])
+    starts = [window_start(cfg, e) for e in range(40)]
+    assert starts == [mixgrpo_start(e, tau, stride, 1, 7, roll_back) for e in range(40)]
+    assert starts[0] == 1 and max(starts) <= 7 and len(set(starts)) > 1
+    noise, train = rollout_steps(cfg, 5, [0, 1, 2], [])
+    assert noise == train == list(range(starts[5], starts[5] + 3))  # one window for every group
+
+
+def test_mixgrpo_flash_walks_the_ode_stretches_around_this_epochs_window():
+    from paco_ds.sampling.solver import Step, plan_for
+
+    cfg = load_config("configs/tiny/t2is_mixgrpo_flash.yaml")  # window 2, stride 2 per epoch, 1 AB2 step
+    plans = {e: plan_for(cfg, window_start(cfg, e)) for e in range(4)}
+    assert plans[0] == [Step(0, 1), Step(1, 2), Step(2, 6)]
+    assert plans[1] == [Step(0, 2), Step(2, 3), Step(3, 4), Step(4, 6)]
+    assert plans[2] == plans[3] == [Step(0, 4), Step(4, 5), Step(5, 6)]  # at the end it stays
+    assert plan_for(cfg) == [Step(i, i + 1) for i in range(6)]  # not knowing the epoch: the whole range
+
+
 @pytest.mark.parametrize("sets, msg", [
     (["sample.sde_window={size: 4, range: [0, 3]}"], "must fit"),
+    (["sample.sde_window={size: 2, range: [0, 5], schedule: sliding, per: group}", "sample.num_steps=6"],
+     "sliding window moves with the epoch"),
     (["train.loss=nft", "train.ppo.ratio_norm=true"], "nft"),
     (["train.ppo.ratio_norm=true", "sample.sde_type=cps"], "flow_grpo"),
 ])
@@ -99,7 +136,9 @@ def test_invalid_combinations_are_config_errors(sets, msg):
 
 @pytest.mark.parametrize("recipe", ["configs/flux_t2is_nft.yaml", "configs/flux_t2is_guard.yaml",
                                     "configs/flux_t2is_fast.yaml", "configs/tiny/t2is_nft.yaml",
-                                    "configs/tiny/t2is_guard.yaml", "configs/tiny/t2is_fast.yaml"])
+                                    "configs/tiny/t2is_guard.yaml", "configs/tiny/t2is_fast.yaml",
+                                    "configs/flux_t2is_mixgrpo.yaml", "configs/flux_t2is_mixgrpo_flash.yaml",
+                                    "configs/tiny/t2is_mixgrpo_flash.yaml"])
 def test_recipes_validate(recipe):
     cfg = load_config(recipe)
     assert cfg.train.loss in ("ppo", "nft")

@@ -1,4 +1,4 @@
-"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows, CPS sampling and a loss from tests/ for real: the
+"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows, MixGRPO-Flash, CPS sampling and a loss from tests/ for real: the
 deepspeed launcher, 2 ZeRO-3 CPU processes, and the run resumed from its epoch-1 checkpoint matches the
 uninterrupted one."""
 import math
@@ -65,6 +65,17 @@ def test_cps_sampling_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
         # per rank: 4 samples x 6 noisy steps in the rollout + the same 24 recomputed in training
         assert r["train/sde_logprob_rows"] == 48 and r["train/micro_steps"] == 24
     assert rows[1]["train/grad_norm"] > 0
+
+
+def test_mixgrpo_flash_slides_its_window_and_resumes_exactly(tmp_path):
+    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_mixgrpo_flash.yaml")
+    assert [r["sample/sde_window_start"] for r in rows] == [0.0, 2.0]  # 2 steps further each epoch
+    for r in rows:
+        assert r["train/ratio_first"] == 1.0
+        assert r["train/micro_steps"] == 8  # per rank: 4 samples x the window's 2 steps
+    # per sample: epoch 0 walks steps 0, 1 and one AB2 step over 2-6 (3 calls); epoch 1 one step over
+    # 0-2, then 2, 3, and one over 4-6 (4 calls, the first shared by a group's same-latent samples)
+    assert rows[0]["sample/transformer_calls"] < rows[1]["sample/transformer_calls"] <= 8 * 4
 
 
 def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
