@@ -120,7 +120,13 @@ def rollout_line(cfg: Config) -> str:
     from paco_ds.sampling.solver import ode_stretches, plan_for
 
     s = cfg.sample
-    out = f"{len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps"
+    win = s.sde_window
+    if win is not None and win.schedule == "sliding":  # the plan moves with the window: each place it can be
+        calls = sorted({len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)})
+        out = f"{calls[0]}-{calls[-1]}" if len(calls) > 1 else f"{calls[0]}"
+        out += f" transformer calls per image of {s.num_steps} steps (by where the sliding window is)"
+    else:
+        out = f"{len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps"
     if s.ode_steps is not None:
         out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
     head = ode_stretches(cfg)[:1]

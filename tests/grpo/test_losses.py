@@ -119,6 +119,9 @@ def test_mixgrpo_flash_walks_the_ode_stretches_around_this_epochs_window():
     assert plans[1] == [Step(0, 2), Step(2, 3), Step(3, 4), Step(4, 6)]
     assert plans[2] == plans[3] == [Step(0, 4), Step(4, 5), Step(5, 6)]  # at the end it stays
     assert plan_for(cfg) == [Step(i, i + 1) for i in range(6)]  # not knowing the epoch: the whole range
+    from paco_ds.grpo.plan import rollout_line
+
+    assert rollout_line(cfg).startswith("3-4 transformer calls per image of 6 steps (by where the sliding window is)")
 
 
 @pytest.mark.parametrize("sets, msg", [
