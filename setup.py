@@ -42,6 +42,7 @@ setup(
         "pyarrow>=14",  # editing data in .parquet/.arrow (data.format: edit)
         "openai>=1.40",
         "httpx>=0.27",
+        "psutil>=5.9",  # paco_ds/processes.py: the judges, ranks and hosts a run watches and stops
         "fastapi>=0.110",
         "starlette>=0.36",  # imported directly (run_in_threadpool); fastapi's own dependency
         # paco_ds/serving/protocol.py subclasses uvicorn's H11Protocol (private) for the client-side
@@ -54,6 +55,6 @@ setup(
         "serve": ["vllm>=0.8"],
         "flash": ["flash-attn>=2.6.3"],  # model.attention_backend: flash (diffusers requires 2.6.3)
         "wandb": ["wandb"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja", "psutil>=5.9"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja"],
     },
 )

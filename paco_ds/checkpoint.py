@@ -226,6 +226,12 @@ class CheckpointManager:
         state_file = path / f"trainer_state_rank{self.rank}.pt"
         if not state_file.is_file():
             raise UserError(f"--resume: {state_file} missing (was the checkpoint written with another world size?)")
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(state_file, map_location="cpu", weights_only=False)
+        except (ModuleNotFoundError, AttributeError) as err:  # pickled classes this version no longer has
+            raise UserError(f"--resume: {state_file} holds {err.name if isinstance(err, ModuleNotFoundError) else err} "
+                            "from another paco_ds version; resume from an end-of-epoch checkpoint "
+                            "(a mid-epoch preemption checkpoint keeps the epoch's samples as that version's objects)"
+                            ) from None
         set_rng_state(state.pop("rng"))
         return state, meta

@@ -14,23 +14,39 @@ from typing import Callable, Iterable
 import psutil
 
 
-def start_time(pid: int) -> float | None:
-    """When the process started (seconds since the epoch, from the kernel), None if there is none."""
+def _start_ticks(pid: int) -> int | None:
+    """The kernel's start time of `pid` in clock ticks since boot, None if there is no such process.
+    psutil's create_time is that plus the boot time, which it re-reads from the wall clock on each
+    call: taking the boot time back out gives a value that a step of the wall clock does not move."""
     try:
-        return psutil.Process(pid).create_time()
+        since_boot = psutil.Process(pid).create_time() - psutil.boot_time()
     except psutil.Error:
         return None
+    return round(since_boot * os.sysconf("SC_CLK_TCK"))
 
 
-def alive(pid: int, started: float | None = None) -> bool:
-    """Whether `pid` runs (not a zombie) and, given `started`, is the process that started then."""
+def start_time(pid: int) -> float | None:
+    """When the process started, as an identity (a pid can be reused): seconds since boot, None if
+    there is no such process."""
+    ticks = _start_ticks(pid)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
+def alive(pid: int, started: float | str | None = None) -> bool:
+    """Whether `pid` runs (not a zombie) and, given `started` (start_time's value; a string: the raw
+    ticks that state files of earlier versions hold), is the process that started then."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our child and has exited
     try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and (started is None or proc.create_time() == started)
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
     except psutil.Error:
         return False
+    if started is None:
+        return True
+    if isinstance(started, str):
+        return str(_start_ticks(pid)) == started
+    return start_time(pid) == started
 
 
 def parent(pid: int) -> int:

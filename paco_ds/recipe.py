@@ -55,9 +55,11 @@ def resolve(value: str, table: dict[str, str], key: str, what: str) -> Any:
         raise ConfigError(f"config key '{key}': unknown {what} '{value}'{suggest(value, table)}; "
                           f"known: {', '.join(sorted(table))} (or 'module:attr')")
     module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"config key '{key}': '{value}' names no {what}: write 'module:attr' (both parts)")
     try:
         return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
+    except (ImportError, AttributeError, ValueError) as err:  # ValueError: e.g. a relative module name
         raise ConfigError(f"config key '{key}': cannot import {what} '{value}' ({err})") from None
 
 

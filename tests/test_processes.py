@@ -61,3 +61,20 @@ def test_a_group_that_obeys_is_not_killed():
     proc = _leader("import subprocess, sys, time; print('ready', flush=True); time.sleep(60)")
     assert processes.stop_groups([proc.pid], timeout=5, running=lambda g: proc.poll() is None) == []
     assert proc.wait(1) == -signal.SIGTERM
+
+
+def test_a_step_of_the_wall_clock_does_not_change_a_process_identity(monkeypatch):
+    import os
+
+    import psutil
+
+    me = os.getpid()
+    started = processes.start_time(me)
+    ticks = open(f"/proc/{me}/stat").read().rsplit(")", 1)[1].split()[19]  # the kernel's own count
+    assert started == int(ticks) / os.sysconf("SC_CLK_TCK")
+    # the clock jumps an hour: psutil's create_time and boot time both move with it
+    create_time, boot_time = psutil.Process.create_time, psutil.boot_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: create_time(self) + 3600.0)
+    monkeypatch.setattr(psutil, "boot_time", lambda: boot_time() + 3600.0)
+    assert processes.start_time(me) == started and processes.alive(me, started)
+    assert processes.alive(me, ticks) and not processes.alive(me, str(int(ticks) - 1))  # earlier state files

@@ -33,6 +33,12 @@ class OwnLoss(PPOClip):
     pass
 
 
+class LossNamedLikeATrainKey(PPOClip):
+    """Its section would be train.ema and replace the EMA settings: refused."""
+    name = "ema"
+    section = type("EmaLikeSection", (PPOClip.section,), {})
+
+
 HERE = "test_registries"
 
 

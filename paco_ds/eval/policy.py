@@ -86,7 +86,7 @@ def _build(cfg, dist):
     if cfg.data.max_test_prompts:
         items = items[:cfg.data.max_test_prompts]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
-    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dist.device)
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dist.device, cfg.model.dtype)
     policy = build_policy(cfg.model, dist.device)  # whole on each rank: inference holds no optimizer state
     add_lora(policy.transformer, cfg.model.lora)
     set_attention_backend(policy.transformer, cfg.model.attention_backend)

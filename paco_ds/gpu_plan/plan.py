@@ -393,10 +393,11 @@ FIXES = [  # (category, phase, condition, the recipe key that cuts it)
 ]
 
 
-def largest_rollout_batch(plan: GpuPlan) -> int:
+def largest_rollout_batch(plan: GpuPlan) -> int | None:
     """The largest sample.batch_size whose sampling and scoring fit: their activations scaled per
     sample from the counted pass (the rest of those phases does not grow with the batch); 0 when not
-    even one sample fits. An estimate from the counted bytes, not a pass at that batch."""
+    even one sample fits; None when the pass counted no activations to scale. An estimate from the
+    counted bytes, not a pass at that batch."""
     best = None
     for phase in (SAMPLING, SCORING):
         act = plan.memory[phase].get("activations", 0)
@@ -405,7 +406,7 @@ def largest_rollout_batch(plan: GpuPlan) -> int:
         if per_sample > 0:
             fit = max(int(room // per_sample), 0)
             best = fit if best is None else min(best, fit)
-    return best if best is not None else plan.rollout_batch
+    return best
 
 
 def verdict(plan: GpuPlan) -> str:
@@ -413,8 +414,11 @@ def verdict(plan: GpuPlan) -> str:
     over = [p for p in PHASES if plan.total(p) > plan.capacity]
     head = f"{plan.world_size} x {plan.gpu_gib:g} GiB"
     batch = largest_rollout_batch(plan)
-    rollouts = (f"; rollouts: sample.batch_size: {batch} is the largest that fits (activations scaled from "
-                f"{plan.rollout_batch})" if batch else "; not one rollout sample fits")
+    if batch is None:
+        rollouts = "; rollouts: no activations counted, so no larger sample.batch_size is estimated"
+    else:
+        rollouts = (f"; rollouts: sample.batch_size: {batch} is the largest that fits (activations scaled from "
+                    f"{plan.rollout_batch})" if batch else "; not one rollout sample fits")
     if not over:
         free = (plan.capacity - plan.total(peak)) / GiB
         return (f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} ({free:.1f} GiB free)"

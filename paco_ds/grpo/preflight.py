@@ -159,7 +159,17 @@ def check_attention(cfg: Config) -> None:
     from paco_ds.models import policy_class
     from paco_ds.models.attention import check_attention_backend
 
-    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family))
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dtype=cfg.model.dtype)
+
+
+def check_sequence_length(cfg: Config) -> None:
+    """model.max_sequence_length within what the family's text encoder reads."""
+    from paco_ds.models import policy_class
+
+    limit = policy_class(cfg.model.family).max_sequence_length_limit
+    if limit is not None and cfg.model.max_sequence_length is not None and cfg.model.max_sequence_length > limit:
+        raise ConfigError(f"config key 'model.max_sequence_length': at most {limit} for model.family "
+                          f"'{cfg.model.family}', got {cfg.model.max_sequence_length}")
 
 
 def check_deepspeed_config(cfg: Config) -> None:
@@ -181,5 +191,6 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_deepspeed_config(cfg)
     check_compile(cfg)
     check_attention(cfg)
+    check_sequence_length(cfg)
     check_lora_targets(cfg)
     check_writable(cfg.run_dir, "output_dir")

@@ -53,7 +53,7 @@ def check_device_choices(cfg: Config, device) -> None:
     from paco_ds.models import policy_class
     from paco_ds.models.attention import check_attention_backend
 
-    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), device)
+    check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), device, cfg.model.dtype)
 
 
 def _export_only(cfg: Config, spec: str | Path) -> None:

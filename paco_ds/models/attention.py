@@ -27,11 +27,19 @@ from paco_ds.recipe import suggest
 KEY = "model.attention_backend"
 # The backends that run on a CPU device (the tiny recipes, the tests); every other one needs CUDA.
 CPU_BACKENDS = ("native", "_native_math", "flex")
+# The backends whose kernel takes no attention mask (diffusers 0.42 raises "attn_mask is not supported"
+# at the first masked call; tests/models/test_attention_backend.py re-reads this from diffusers).
+NO_MASK_BACKENDS = frozenset({"flash", "_flash_3", "_native_flash", "_native_xla", "sage",
+                              "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
+                              "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton"})
+# The backends that compute in fp16/bf16 only (flash-attn, SageAttention, PyTorch's flash kernel).
+HALF_ONLY_PREFIXES = ("flash", "_flash", "sage", "_sage", "_native_flash")
 
 
-def check_attention_backend(name: str | None, policy_cls, device=None) -> None:
+def check_attention_backend(name: str | None, policy_cls, device=None, dtype: str | None = None) -> None:
     """Raise ConfigError (one line naming the key) where backend `name` cannot run for the family
-    `policy_cls` (on `device`, when given: the training processes know it, `--dry-run` does not)."""
+    `policy_cls` in `model.dtype` `dtype` (on `device`, when given: the training processes know it,
+    `--dry-run` does not)."""
     if name is None:
         return
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
@@ -46,6 +54,14 @@ def check_attention_backend(name: str | None, policy_cls, device=None) -> None:
     if not getattr(policy_cls, "attention_dispatch", False) and name != "native":  # native: what it runs anyway
         raise ConfigError(f"config key '{KEY}': the {policy_cls.__name__} transformer's attention does not go "
                           "through diffusers' attention dispatcher, so a backend would change nothing; leave it unset")
+    if getattr(policy_cls, "text_attention_mask", False) and name in NO_MASK_BACKENDS:
+        # a batch of prompts of different lengths carries a mask: the first such batch would fail mid-run
+        raise ConfigError(f"config key '{KEY}': '{name}' takes no attention mask, and the {policy_cls.__name__} "
+                          "transformer masks its padded prompt tokens; use 'flash_varlen' (flash-attn with a key "
+                          "mask), '_flash_varlen_3', 'native' or '_native_efficient'")
+    if dtype == "fp32" and name.startswith(HALF_ONLY_PREFIXES):
+        raise ConfigError(f"config key '{KEY}': '{name}' computes in fp16/bf16 only and model.dtype is fp32; set "
+                          "model.dtype: bf16 (or auto, bf16 on a GPU)")
     try:
         _check_attention_backend_requirements(AttentionBackendName(name))
     except (RuntimeError, ImportError) as err:
@@ -61,7 +77,8 @@ def set_attention_backend(transformer, name: str | None) -> None:
         return
     transformer.set_attention_backend(name)
     routed = [m for m in transformer.modules() if getattr(getattr(m, "processor", None), "_attention_backend", None)]
-    if not routed:  # the dispatcher changed no processor: the setting would silently do nothing
+    if not routed and name != "native":  # the dispatcher changed no processor: the setting would silently do nothing
+        # ('native' on a family that calls SDPA itself, SD3, is what it runs anyway: the check allows it)
         raise ConfigError(f"config key '{KEY}': no attention processor of {type(transformer).__name__} took "
                           f"'{name}'")
 

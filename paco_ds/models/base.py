@@ -123,6 +123,12 @@ class Policy(ABC):
     # Whether the transformer's attention goes through diffusers' attention dispatcher, so that
     # `model.attention_backend` can choose its kernel (paco_ds/models/attention.py).
     attention_dispatch: bool = False
+    # Whether the transformer's attention takes a mask over padded prompt tokens (a backend without
+    # mask support is refused for it: paco_ds/models/attention.py)
+    text_attention_mask: bool = False
+    # The longest prompt the family's text encoder reads (model.max_sequence_length is checked
+    # against it before anything loads); None: no limit of its own.
+    max_sequence_length_limit: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -76,13 +76,16 @@ def full_size_components(cfg: ModelConfig) -> dict:
     tok, config = qwen_vl_config()
     return {"vae": empty(lambda: AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)),
             "text_encoder": empty(lambda: Qwen2_5_VLForConditionalGeneration(config)),
-            "tokenizer": tok, "scheduler_config": dict(QWEN_IMAGE_SCHEDULER)}
+            "tokenizer": tok, "scheduler_config": dict(QWEN_IMAGE_SCHEDULER),
+            "max_sequence_length": cfg.max_sequence_length}
 
 
 class QwenImagePolicy(PackedPolicy):
     display_name = "Qwen-Image"
     default_path = "Qwen/Qwen-Image"
     attention_dispatch = True  # QwenDoubleStreamAttnProcessor2_0 dispatches
+    text_attention_mask = True  # encoder_hidden_states_mask: prompts of a batch padded to one length
+    max_sequence_length_limit = TOKENIZER_MAX_LENGTH
     # Attention and MLP of both streams in Qwen-Image's own names: its MLPs are img_mlp/txt_mlp,
     # so FLUX's ff/ff_context names would leave them without LoRA.
     lora_targets = (

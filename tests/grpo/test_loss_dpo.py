@@ -177,3 +177,19 @@ def test_bad_dpo_config_names_the_key(sets, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(RECIPE, sets)
+
+
+def test_the_epochs_pair_statistics_are_per_pair_not_per_micro_step():
+    """A micro-step without a pair adds no pair: the epoch's accuracy is over the pairs it had."""
+    import numpy as np
+
+    loss, _, module, _ = _loss(0.5, 0.1)
+    two = loss(module, _batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1]), 0)[1]
+    none = loss(module, _batch([1.0, 2.0, -2.0], [0, 1, 1], keep=[True, True, False]), 0)[1]
+    assert two["dpo_pairs"] == 2.0 and none["dpo_pairs"] == 0.0
+    per_pair_inside = two["dpo_inside"] / 2
+    out = {f"train/{k}": float(np.mean([two[k], none[k]])) for k in two}  # as the trainer averages micro-steps
+    out = loss.epoch_metrics(out)
+    assert out["train/dpo_pairs"] == 1.0  # the mean count per micro-step
+    assert out["train/dpo_inside"] == pytest.approx(per_pair_inside)
+    assert out["train/dpo_accuracy"] == pytest.approx(two["dpo_accuracy"] / 2) and 0 <= out["train/dpo_accuracy"] <= 1

@@ -181,6 +181,23 @@ def test_resume_latest_skips_a_corrupt_checkpoint_with_a_warning(tmp_path, caplo
         mgr.resolve("latest")
 
 
+def test_a_checkpoint_holding_objects_this_version_lacks_is_one_error_naming_them(tmp_path, monkeypatch):
+    """A mid-epoch checkpoint pickles the epoch's samples as objects of the version that wrote it."""
+    import importlib
+    import sys
+
+    (tmp_path / "gone_module.py").write_text("class Trajectory:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    old = importlib.import_module("gone_module")
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep_last=5, rank=0, world_size=1)
+    ckpt = mgr.save(None, "epoch_0002", {"epoch": 2, "samples": old.Trajectory()}, {"epoch": 2})
+    (tmp_path / "gone_module.py").unlink()
+    monkeypatch.delitem(sys.modules, "gone_module")
+    with pytest.raises(UserError, match=r"trainer_state_rank0.pt holds gone_module from another paco_ds version; "
+                                        r"resume from an end-of-epoch checkpoint"):
+        mgr.load(None, mgr.resolve(str(ckpt)))
+
+
 def test_cli_resume_of_a_truncated_checkpoint_is_one_line_before_anything_starts(tmp_path):
     run = tmp_path / "run"
     ckpt = _checkpoint(run / "checkpoints", "epoch_0002", 2)

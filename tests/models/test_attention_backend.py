@@ -118,3 +118,38 @@ def test_a_judge_started_with_what_cannot_run_exits_2_with_one_line():
     proc = run_cli("-m", "paco_ds.serving.hf_engine", "--tiny", "--served-model-name", "j", "--device", "cpu",
                    "--attn-implementation", "flash_attention_2")
     assert "config key 'reward_servers.attn_implementation': 'flash_attention_2' needs flash-attn 2" in one_line_error(proc)
+
+
+def test_a_backend_without_masks_is_refused_for_a_family_that_masks_its_prompt_tokens():
+    qwen = "configs/tiny/qwen_image_t2is.yaml"
+    msg = _refused("model.attention_backend=_native_flash", recipe=qwen)
+    assert "'_native_flash' takes no attention mask" in msg and "QwenImagePolicy" in msg and "flash_varlen" in msg
+    check_recipe(load_config(qwen, ["model.attention_backend=_native_efficient"]), 2)  # SDPA's masked kernel
+    check_recipe(load_config(TINY, ["model.attention_backend=_native_flash"]), 2)  # FLUX passes no mask
+    assert "computes in fp16/bf16 only" in _refused("model.attention_backend=_native_flash", "model.dtype=fp32")
+
+
+def test_the_mask_free_backends_are_those_diffusers_refuses_a_mask_in():
+    """NO_MASK_BACKENDS against the installed diffusers: every backend whose function raises on a mask."""
+    import inspect
+    import re
+
+    from diffusers.models import attention_dispatch as dispatch
+
+    from paco_ds.models.attention import NO_MASK_BACKENDS
+
+    source = inspect.getsource(dispatch)
+    refusing = set()
+    for m in re.finditer(r"@_AttentionBackendRegistry\.register\(\s*AttentionBackendName\.(\w+)", source):
+        body = source[m.end():source.find("@_AttentionBackendRegistry.register", m.end()) % (len(source) + 1)]
+        if "attn_mask" in body and "is not supported" in body:
+            refusing.add(getattr(dispatch.AttentionBackendName, m.group(1)).value)
+    assert NO_MASK_BACKENDS == {b for b in refusing if not b.endswith("_hub")}
+
+
+def test_native_on_a_family_that_calls_sdpa_itself_is_what_it_runs():
+    from paco_ds.grpo.plan import load_config as load
+
+    cfg = load("configs/tiny/sd3_geneval.yaml", ["model.attention_backend=native"])
+    policy = SD3Policy.load(cfg.model, torch.device("cpu"))
+    set_attention_backend(policy.transformer, "native")  # no processor dispatches; nothing to route, no error

@@ -147,3 +147,9 @@ def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path):
 def test_max_sequence_length_is_capped_as_the_pipelines():
     with pytest.raises(ValueError, match="at most 1024"):
         QwenImagePolicy.load(_cfg(max_sequence_length=2048), CPU)
+    # and a recipe asking for more is one line naming the key before anything loads (--dry-run, preflight)
+    from conftest import one_line_error, run_cli
+
+    line = one_line_error(run_cli("launch/train.py", "--config", "configs/tiny/qwen_image_t2is.yaml", "--dry-run",
+                                  "--set", "model.max_sequence_length=2048"))
+    assert "config key 'model.max_sequence_length': at most 1024 for model.family 'qwen_image', got 2048" in line

@@ -137,3 +137,5 @@ def test_the_verdict_names_the_largest_rollout_batch_that_fits():
     text = verdict(plan(2, 2 * GiB, 6 * GiB))
     assert text.startswith("fits on 8 x 80 GiB") and "sample.batch_size: 10 is the largest that fits" in text
     assert "not one rollout sample fits" in verdict(plan(1, 31 * GiB, 1 * GiB))
+    assert largest_rollout_batch(plan(2, 0, 0)) is None  # nothing counted: nothing to scale
+    assert "no larger sample.batch_size is estimated" in verdict(plan(2, 0, 0))

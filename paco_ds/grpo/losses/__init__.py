@@ -42,7 +42,9 @@ def loss_sections(loss: str) -> tuple[tuple[str, str, type], ...]:
         name = getattr(cls, "name", "")
         # a subclass of a built-in loss may share its section; another section needs a name of its own
         taken = value not in LOSSES and name in LOSSES and loss_class(name).section is not section
-        if not name.isidentifier() or taken:
+        from paco_ds.config import TrainConfig  # a section named like a train key would replace that key
+
+        if not name.isidentifier() or taken or (name in TrainConfig.model_fields and name not in LOSSES):
             raise ConfigError(f"config key 'train.loss': {value} declares a recipe section, keyed by its `name` "
                               f"(train.<name>), but its name {name!r} is not an identifier of its own")
         out.append((value, name, section))

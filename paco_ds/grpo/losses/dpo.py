@@ -48,6 +48,9 @@ from paco_ds.grpo.losses.base import Loss, RolloutNeeds, check_drawn_levels, ref
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator
 
+# The statistics averaged per pair (a micro-step holds 0 to several pairs)
+PER_PAIR = ("dpo_accuracy", "dpo_inside", "dpo_err_w", "dpo_err_l", "dpo_adv_gap")
+
 
 class DPOConfig(LossSection):
     """`train.dpo`; docs/losses.md maps each key to the paper."""
@@ -176,6 +179,9 @@ class DPO(Loss):
             stats = {k: float(x) for k, x in stats.items()}
             stats.update(dpo_err_w=float(err[:p].detach().mean()), dpo_err_l=float(err[p:].detach().mean()),
                          dpo_adv_gap=float(gap.mean()))
+            # summed over the pairs: the epoch's mean over micro-steps is divided by the mean pair
+            # count in epoch_metrics, so a pair-less micro-step does not pull the averages to 0
+            stats.update({k: stats[k] * len(pairs) for k in PER_PAIR})
         else:
             loss = 0.0 * v.float().sum()  # no gradient, and the same backward as every other rank's
             stats = dict(zero)
@@ -187,6 +193,13 @@ class DPO(Loss):
             loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t.detach())
         stats["kl"] = kl
         return loss, stats
+
+    def epoch_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        pairs = out.get("train/dpo_pairs", 0.0)
+        for k in PER_PAIR:  # per pair, over the epoch's pairs on every rank
+            if f"train/{k}" in out:
+                out[f"train/{k}"] = out[f"train/{k}"] / pairs if pairs > 0 else 0.0
+        return super().epoch_metrics(out)
 
     def epoch_state(self):
         return {**super().epoch_state(), "visits": dict(self.visits)}  # a visit's noise depends on those before it
