@@ -6,6 +6,8 @@ Until the epoch's rewards are scored the state is the epoch's start, saved as `e
 a mid-epoch checkpoint `epoch_NNNN_step_MMMMMM` keeps the epoch's progress (EpochProgress): its
 rollouts and scores, the micro-steps taken, the loss's epoch state and the gradients accumulated
 since the last optimizer step (this rank's ZeRO-3 partition), so the resumed run repeats nothing.
+Under ZeRO stages 0-2 the accumulated gradients live in DeepSpeed's own reduction buffers, which
+nothing restores: there a stop during an accumulation is answered at the next optimizer step.
 """
 from __future__ import annotations
 
@@ -32,18 +34,26 @@ class Preemption:
         self.zero3, self.device, self.run_dir, self.is_main = zero3, device, run_dir, is_main
         self._start_saved = False  # the epoch's start is a checkpoint already
         self._start_rng: dict | None = None
+        self._waiting = False  # a stop is deferred to the next optimizer step
 
     def epoch_start(self, saved: bool) -> None:
         """The epoch's start, which a preemption until scoring saves: with the RNG state of now,
         unless it is a checkpoint already (`saved`)."""
         self._start_saved, self._start_rng = saved, rng_state()
 
-    def check(self, epoch: int, progress: EpochProgress | None = None) -> None:
+    def check(self, epoch: int, progress: EpochProgress | None = None, accumulating: bool = False) -> None:
         """When any rank was asked to stop: every rank saves here together (the epoch's start, or
-        with `progress` a mid-epoch checkpoint) and the run ends with Preempted. Collective: every
-        rank calls it at the same points."""
+        with `progress` a mid-epoch checkpoint) and the run ends with Preempted. `accumulating`:
+        micro-steps since the last optimizer step hold gradients. Collective: every rank calls it
+        at the same points with the same arguments."""
         control = stopping.current()
         if control is None or not control.save_first or not any_true(control.requested):
+            return
+        if accumulating and not self.zero3:  # the gradients cannot be saved: wait for the optimizer step
+            if not self._waiting and self.is_main:
+                print("[preemption] saving after this optimizer step's last micro-step (ZeRO stage < 3 keeps "
+                      "accumulated gradients where a checkpoint cannot hold them)", flush=True)
+            self._waiting = True
             return
         path = self._save_start(epoch) if progress is None else self._save_progress(epoch, progress)
         if self.is_main:
@@ -54,15 +64,14 @@ class Preemption:
     def resume(self, progress: EpochProgress) -> None:
         """Continue a mid-epoch checkpoint's epoch: the loss's epoch state (after `begin_epoch`) and
         the gradients accumulated since the last optimizer step; nothing for an epoch not saved."""
-        if progress.loss_epoch is None:
-            return
         if progress.grads:
             from deepspeed.utils import safe_set_local_grad
 
             for p, g in zip(self.trainable, progress.grads):
                 safe_set_local_grad(p, g.to(self.device))
             self.engine.optimizer.micro_step_id = progress.micro_step_id
-        self.loss.load_epoch_state(progress.loss_epoch)
+        if progress.loss_epoch is not None:
+            self.loss.load_epoch_state(progress.loss_epoch)
 
     def _save_start(self, epoch: int) -> Path:
         path = self.ckpt.root / f"epoch_{epoch:04d}"

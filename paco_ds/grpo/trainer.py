@@ -251,7 +251,7 @@ class GRPOTrainer:
         bar = tqdm(total=total, initial=progress.done, desc=f"epoch {self.epoch} train",
                    disable=not self.dist.is_main, leave=False)
         self.engine.train()
-        self.preemption.check(self.epoch, progress)
+        self.preemption.check(self.epoch, progress, accumulating=progress.done % group_len != 0)
         for inner in range(cfg.train.num_inner_epochs):
             gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.rank)
             for m, (chunk, fillers) in enumerate(micro_batches(kept or entries, n_micro, bs, gen)):
@@ -264,7 +264,7 @@ class GRPOTrainer:
                     step_stats = self._micro_step(batch, t, boundary=(k + 1) % group_len == 0, scale=group_len)
                     progress.record(step_stats, self.loss.first_of_epoch)
                     bar.update(1)
-                    self.preemption.check(self.epoch, progress)
+                    self.preemption.check(self.epoch, progress, accumulating=progress.done % group_len != 0)
         bar.close()
         return self._train_metrics(progress, total)
 
