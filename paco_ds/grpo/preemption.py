@@ -41,14 +41,19 @@ class Preemption:
         unless it is a checkpoint already (`saved`)."""
         self._start_saved, self._start_rng = saved, rng_state()
 
+    def requested(self) -> bool:
+        """Whether any rank was asked to save and stop (collective: every rank calls it together)."""
+        control = stopping.current()
+        return control is not None and control.save_first and any_true(control.requested)
+
     def check(self, epoch: int, progress: EpochProgress | None = None, accumulating: bool = False) -> None:
         """When any rank was asked to stop: every rank saves here together (the epoch's start, or
         with `progress` a mid-epoch checkpoint) and the run ends with Preempted. `accumulating`:
         micro-steps since the last optimizer step hold gradients. Collective: every rank calls it
         at the same points with the same arguments."""
-        control = stopping.current()
-        if control is None or not control.save_first or not any_true(control.requested):
+        if not self.requested():
             return
+        control = stopping.current()
         if accumulating and not self.zero3:  # the gradients cannot be saved: wait for the optimizer step
             if not self._waiting and self.is_main:
                 print("[preemption] saving after this optimizer step's last micro-step (ZeRO stage < 3 keeps "
@@ -56,10 +61,10 @@ class Preemption:
             self._waiting = True
             return
         path = self._save_start(epoch) if progress is None else self._save_progress(epoch, progress)
+        reason = control.reason or "another rank was asked to stop"
         if self.is_main:
-            stopping.mark_preempted(self.run_dir, path, control.reason)
-        raise stopping.Preempted(f"stopped ({control.reason}) after saving checkpoint {path}; continue with "
-                                 "--resume latest")
+            stopping.mark_preempted(self.run_dir, path, reason)
+        raise stopping.Preempted(f"stopped ({reason}) after saving checkpoint {path}; continue with --resume latest")
 
     def resume(self, progress: EpochProgress) -> None:
         """Continue a mid-epoch checkpoint's epoch: the loss's epoch state (after `begin_epoch`) and

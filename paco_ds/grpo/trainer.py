@@ -195,7 +195,11 @@ class GRPOTrainer:
                     # scores while we sample on; editing rewards compare against the original references
                     self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, self.rollouts.references(traj))
                     out.trajectories.append(traj)
-                self.preemption.check(self.epoch)  # every rank has the same number of rollout batches
+                if self.preemption.requested():  # collective: every rank has the same number of rollout batches
+                    break
+        # saved here, not inside: the sampling weights (NFT's old policy) and the gathered transformer
+        # are the loss's and the rollouts' until their blocks end
+        self.preemption.check(self.epoch)
         out.transformer_calls = self.rollouts.transformer_calls - calls
         return out
 
