@@ -50,6 +50,20 @@ def test_registered_with_z_image_turbos_checkpoint_and_its_own_targets():
                                        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
 
 
+def test_the_z_image_recipes_resolve_to_z_images_own():
+    from conftest import REPO
+    from paco_ds.grpo.plan import load_config
+
+    for recipe, steps in (("configs/z_image_t2is.yaml", 8), ("configs/tiny/z_image_t2is.yaml", 6)):
+        cfg = load_config(REPO / recipe, ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
+                                          "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl"])
+        assert (cfg.model.family, cfg.model.path) == ("z_image", "Tongyi-MAI/Z-Image-Turbo")
+        assert cfg.model.lora.target_modules == list(ZImagePolicy.lora_targets)
+        assert cfg.model.max_sequence_length == 512 and cfg.sample.guidance_scale == 0.0
+        assert cfg.sample.num_steps == steps and cfg.data.format == "t2is"
+        assert "consistency_score" in cfg.rewards.train.terms
+
+
 def test_lora_targets_cover_the_refiners_and_the_joint_blocks(policy):
     adapted = {n.rsplit(".lora_", 1)[0] for n, _ in policy.transformer.named_parameters() if ".lora_" in n}
     for part in ("noise_refiner.", "context_refiner.", "layers."):
