@@ -5,7 +5,8 @@ refiners, then the joint blocks; 2x2 patches, Z-Image's 3-axis rope with its rea
 an `AutoencoderKL` with the real 8x downsampling and FLUX's latent scaling and shift (Z-Image ships
 FLUX.1's autoencoder), and a two-layer `Qwen3Model` as the prompt encoder (the real one is
 Qwen3-4B, whose second-to-last hidden states the transformer reads), with the package's byte-level
-Qwen tokenizer carrying Qwen3's chat template (configs/qwen3-chat-template.jinja). The scheduler
+Qwen tokenizer carrying Qwen3's chat template
+(paco_ds/models/tiny/configs/qwen3-chat-template.jinja). The scheduler
 config is Z-Image-Turbo's own, so the tiny policy's sigma schedule is the real one.
 """
 from __future__ import annotations
