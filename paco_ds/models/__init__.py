@@ -15,6 +15,7 @@ POLICIES: dict[str, str] = {
     "qwen_image": "paco_ds.models.qwen_image:QwenImagePolicy",
     "qwen_image_edit": "paco_ds.models.qwen_image_edit:QwenEditPolicy",
     "sd3": "paco_ds.models.sd3:SD3Policy",
+    "z_image": "paco_ds.models.z_image:ZImagePolicy",
 }
 
 

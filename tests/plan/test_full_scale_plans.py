@@ -64,6 +64,21 @@ def test_qwen_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the
     assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
 
 
+def test_z_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
+    """Z-Image-Turbo's single-stream DiT (its published transformer config, built by diffusers' own
+    class on fake tensors) with Qwen3-4B on the paper's T2IS settings: parameters and verdict."""
+    args = [a for o in T2IS_DATA for a in ("--set", o)]
+    proc = run_cli("launch/train.py", "--config", "configs/z_image_t2is.yaml", "--dry-run", "--world-size", "8",
+                   "--gpu-memory", "80", *args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GPU plan per rank (z_image, 512x512, bfloat16" in proc.stdout
+    params = next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
+    assert "transformer 6,313,669,696, lora 158,760,960" in params  # 6,154,908,736 without the LoRA
+    assert "text_encoders 4,022,468,096" in params  # Qwen3-4B
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
+
+
 def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why():
     from paco_ds.gpu_plan.plan import verdict
 

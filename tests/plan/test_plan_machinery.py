@@ -101,9 +101,12 @@ def test_gpu_memory_names_a_family_it_cannot_plan(monkeypatch):
     from paco_ds.grpo.plan import load_config
     from paco_ds.models.sd3 import SD3Policy
 
+    from paco_ds.models import POLICIES
+
     monkeypatch.setattr(SD3Policy, "full_size", None)
     cfg = load_config(REPO / "configs" / "sd3_pickscore.yaml", [])
-    with pytest.raises(ConfigError, match=r"config key 'model.family'.*flux, flux_kontext, qwen_image, qwen_image_edit\); "
+    planned = ", ".join(name for name in POLICIES if name != "sd3")  # every other family describes one
+    with pytest.raises(ConfigError, match=rf"config key 'model.family'.*`full_size`: {planned}\); "
                        r"SD3Policy of 'sd3' has none"):
         gp.print_plan(cfg, 8, 80)
 
