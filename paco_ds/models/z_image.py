@@ -87,6 +87,8 @@ class ZImagePolicy(PackedPolicy):
     default_path = "Tongyi-MAI/Z-Image-Turbo"
     attention_dispatch = True  # ZSingleStreamAttnProcessor calls diffusers' dispatch_attention_fn
     text_attention_mask = True  # the transformer pads each sample's prompt and image tokens, with a mask
+    # what the released rope table allows (checked again against a loaded checkpoint's config below)
+    max_sequence_length_limit = (Z_IMAGE_TRANSFORMER["axes_lens"][0] - 2) // SEQ_MULTI_OF * SEQ_MULTI_OF
     # Attention and MLP of every block (refiners and joint blocks) in Z-Image's own names: one stream,
     # so no add_*/ff_context names; the MLP is a SwiGLU (w1, w3 in, w2 out).
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
