@@ -1,5 +1,6 @@
 """The processes paco_ds watches and stops, read through psutil (as DeepSpeed's own launcher does):
-a process is recognised by its pid and its start time (a pid can be reused), a zombie counts as
+a process is recognised by its pid and its start time (a pid can be reused; the kernel's count of
+ticks since boot, which no clock step moves), a zombie counts as
 ended, and a stop is one signal, a wait, then SIGKILL for what is left. What to watch and when to
 stop it is the caller's policy (the judge manager, the ranks' stop control, the cluster launcher).
 """
@@ -15,14 +16,21 @@ import psutil
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The kernel's start time of `pid` in clock ticks since boot, None if there is no such process.
-    psutil's create_time is that plus the boot time, which it re-reads from the wall clock on each
-    call: taking the boot time back out gives a value that a step of the wall clock does not move."""
+    """The kernel's start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat), None
+    if there is no such process. Read directly: psutil's create_time adds the boot time, which it
+    re-reads on every call from /proc/stat's btime, a wall-clock value that moves with clock steps
+    and jitters by a second, so two reads of one process's start could differ."""
     try:
-        since_boot = psutil.Process(pid).create_time() - psutil.boot_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
         return None
-    return round(since_boot * os.sysconf("SC_CLK_TCK"))
+    except OSError:  # not Linux
+        try:
+            return round(psutil.Process(pid).create_time() * os.sysconf("SC_CLK_TCK"))
+        except psutil.Error:
+            return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # after the command name, which may hold spaces
 
 
 def start_time(pid: int) -> float | None:
