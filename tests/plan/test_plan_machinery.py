@@ -103,7 +103,7 @@ def test_gpu_memory_names_a_family_it_cannot_plan(monkeypatch):
 
     monkeypatch.setattr(SD3Policy, "full_size", None)
     cfg = load_config(REPO / "configs" / "sd3_pickscore.yaml", [])
-    with pytest.raises(ConfigError, match=r"config key 'model.family'.*flux, flux_kontext, qwen_image, qwen_image_edit\); "
+    with pytest.raises(ConfigError, match=r"config key 'model.family'.*flux, flux_kontext, qwen_image, qwen_image_edit, qwen_image_edit_plus\); "
                        r"SD3Policy of 'sd3' has none"):
         gp.print_plan(cfg, 8, 80)
 
