@@ -164,6 +164,32 @@ def test_tiny_multi_image_set_has_two_inputs_per_item():
     assert len({tuple(read_references(it)[0].shape[1:]) for it in train}) > 1  # inputs of several shapes
 
 
+def test_multi_image_data_for_a_single_image_family_is_one_line():
+    """Two input images per record and a family that reads one: refused before anything starts,
+    naming the record; the multi-image family takes the same file."""
+    from conftest import one_line_error
+
+    multi = TINY / "train_multi.jsonl"
+    line = one_line_error(run_cli("launch/train.py", "--config", "configs/tiny/qwen_edit.yaml", "--dry-run",
+                                  "--set", f"data.train_file={multi}"))
+    assert f"{multi}:1: 2 input images, and model.family 'qwen_image_edit' conditions on at most 1" in line
+    ok = run_cli("launch/train.py", "--config", "configs/tiny/qwen_edit.yaml", "--dry-run", "--set",
+                 f"data.train_file={multi}", "--set", "model.family=qwen_image_edit_plus")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_eval_grid_puts_each_edits_inputs_before_it_in_one_row():
+    from paco_ds.grpo.evaluation import eval_grid
+
+    a, b, out = (Image.new("RGB", (10, 10), c) for c in ("red", "blue", "green"))
+    two = eval_grid([(0, [a, b], out), (1, [a], out)])  # an edit of two inputs, one of one
+    assert two.size == (3 * 12 + 2, 2 * 12 + 2)  # three columns (a blank where the second has no input 2)
+    assert two.getpixel((2 + 2 * 12, 2 + 12)) == (0, 128, 0)  # row 2's edit in the third column
+    assert two.getpixel((2 + 12, 2 + 12)) == (255, 255, 255)
+    assert eval_grid([(0, [a], out)]).size == (2 * 12 + 2, 12 + 2)
+    assert eval_grid([(0, [], out), (1, [], out)]).size == (2 * 12 + 2, 12 + 2)  # text-to-image: a square grid
+
+
 @pytest.mark.parametrize("row,msg", [
     ({"prompt": "p", "image": "missing.png"}, r":1: image not found: .*missing\.png$"),
     ({"prompt": "p"}, r":1: missing 'image'"),

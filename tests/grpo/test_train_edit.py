@@ -88,14 +88,3 @@ def test_full_editing_recipes_validate_for_eight_ranks(recipe, train, test):
     missing = run_cli("launch/train.py", "--config", recipe, "--dry-run", "--world-size", "8")
     assert missing.returncode == 2 and "data.train_file" in missing.stderr  # the full data set is not shipped
 
-
-def test_multi_image_data_for_a_single_image_family_is_one_line(tmp_path):
-    """Two input images per record and a family that reads one: refused before anything starts,
-    naming the record."""
-    from conftest import one_line_error, run_cli
-
-    multi = REPO / "paco_ds/data/prompts/tiny_edit/train_multi.jsonl"
-    out = run_cli("launch/train.py", "--config", "configs/tiny/qwen_edit.yaml", "--dry-run",
-                  "--set", f"data.train_file={multi}")
-    line = one_line_error(out)
-    assert f"{multi}:1: 2 input images, and model.family 'qwen_image_edit' conditions on at most 1" in line
