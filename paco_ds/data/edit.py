@@ -7,28 +7,36 @@ Layouts, told apart by the file name:
   * any other `*.jsonl`, e.g. `{split}.jsonl` (Flow-Factory): `prompt`; `image` as a path or a
     list of paths (or `images`, a list); optional `negative_prompt` (kept in the metadata). A
     relative path is looked up under `{folder}/images` (Flow-Factory's default image root), then
-    under the folder. A list must hold exactly one path: the policies here condition on one
-    reference image, and using only the first of several would train on an instruction that
-    refers to images the model never sees, so more than one is a one-line error.
+    under the folder.
   * `{split}.parquet` / `{split}.arrow` (PaCo-RL `arrow_editing`, e.g. GEdit-Bench): columns
     `prompt` and `image` (a struct with `bytes`, as `datasets` writes it, or raw bytes), read with
     pyarrow. The encoded bytes stay in memory (one copy per process); the other scalar columns
     become the metadata. `.arrow` is the IPC file format, or the stream format `datasets` writes.
+
+Several input images. In both jsonl layouts `image` (or `images`, `ref_image`) may list several
+paths: a multi-image edit (Qwen-Image-Edit-2509/2511 read up to three), in the order the
+instruction numbers them ("Picture 1", "Picture 2", ...). A single path and a one-element list
+are the same record. The item keeps the first as `image` and the others as `extra_images`;
+`read_references(item)` returns all of them. Whether the model can read that many is checked
+against the family when the run starts (paco_ds/grpo/preflight.py: one line naming file:line).
+The table layouts hold one image per row.
 
 Optional per-record `height`/`width` override the resolution fallback, as for T2IS data.
 
 Grouping. GRPO groups the k samples of a prompt by its dataset index. For editing a prompt is
 (instruction, reference image): the same instruction on two images is two groups. Records with
 the same instruction and the same image bytes (md5, as the reference groups by
-`prompt + md5(image bytes)`) are merged at load, keeping the first and logging how many were
-dropped, so one (instruction, image) pair is one dataset index and one group.
+`prompt + md5(image bytes)`; for several input images the md5 of their md5s, in order) are merged
+at load, keeping the first and logging how many were dropped, so one (instruction, images) pair is
+one dataset index and one group.
 
 Errors (a DataError: one line naming `file:line` or `file row N`, exit code 2): a missing image
 file is found at load; encoded bytes are decoded, and an undecodable image reported, when first
 read by `read_reference`.
 
-`read_reference(item)` is what the trainer calls at rollout: the reference image as uint8
-[3, H, W], RGB, at its original size, from a small LRU cache keyed by the image's content hash.
+`read_references(item)` is what the trainer calls at rollout: each input image as uint8
+[3, H, W], RGB, at its original size, from a small LRU cache keyed by the image's content hash
+(`read_reference(item)`: the first, for single-image editing).
 """
 from __future__ import annotations
 
@@ -65,20 +73,17 @@ def _prompt(rec: dict, where: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ jsonl layouts
-def _image_field(rec: dict, where: str) -> str:
-    """The single reference path of a jsonl record."""
+def _image_fields(rec: dict, where: str) -> list[str]:
+    """The input image paths of a jsonl record, in order (one or several)."""
     key = next((k for k in ("image", "images", "ref_image") if rec.get(k) not in (None, "", [])), None)
     if key is None:
         raise DataError(f"{where}: missing 'image' (the reference image's path)")
-    value = rec[key]
-    if isinstance(value, list):
-        if len(value) > 1:
-            raise DataError(f"{where}: '{key}' lists {len(value)} images; an edit record takes one reference "
-                            "image (multi-reference editing is not supported): keep one per record")
-        value = value[0]
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{where}: '{key}' must be a path (a string), got {value!r}")
-    return value
+    values = rec[key] if isinstance(rec[key], list) else [rec[key]]
+    for i, value in enumerate(values):
+        if not isinstance(value, str) or not value.strip():
+            what = f"'{key}'" if len(values) == 1 and not isinstance(rec[key], list) else f"'{key}'[{i}]"
+            raise DataError(f"{where}: {what} must be a path (a string), got {value!r}")
+    return values
 
 
 def _resolve(value: str, roots: list[Path], where: str) -> Path:
@@ -103,9 +108,12 @@ def _jsonl_records(path: Path) -> list[dict]:
         neg = rec.get("negative_prompt")
         if neg is not None and not isinstance(neg, str):
             raise DataError(f"{where}: 'negative_prompt' must be a string")
-        image = _resolve(_image_field(rec, where), roots, where)
-        out.append({"prompt": prompt, "metadata": rec, "where": where, "image": str(image),
-                    "image_digest": image_md5(image.read_bytes()),
+        images = [_resolve(v, roots, where) for v in _image_fields(rec, where)]
+        digests = [image_md5(p.read_bytes()) for p in images]
+        out.append({"prompt": prompt, "metadata": rec, "where": where, "image": str(images[0]),
+                    "extra_images": tuple(str(p) for p in images[1:]),
+                    # one image: its md5 (the reference's group key); several: the md5 of their md5s
+                    "image_digest": digests[0] if len(digests) == 1 else image_md5("".join(digests).encode()),
                     "height": _positive_int(rec.get("height"), "height", where, MAX_IMAGE_SIDE),
                     "width": _positive_int(rec.get("width"), "width", where, MAX_IMAGE_SIDE)})
     return out
@@ -210,12 +218,8 @@ class _ReferenceCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, item) -> torch.Tensor:
-        source = getattr(item, "image", None)
-        where = getattr(item, "where", None) or repr(getattr(item, "prompt", item))
-        if source is None:
-            raise DataError(f"{where}: this prompt has no reference image (editing needs data.format: edit)")
-        key = getattr(item, "image_digest", None) or (source if isinstance(source, str) else image_md5(source))
+    def get(self, source: str | bytes, key: str | None, where: str) -> torch.Tensor:
+        key = key or (source if isinstance(source, str) else image_md5(source))
         with self._lock:
             if key in self._data:
                 self._data.move_to_end(key)
@@ -239,12 +243,34 @@ class _ReferenceCache:
 _CACHE = _ReferenceCache()
 
 
-def read_reference(item) -> torch.Tensor:
-    """The reference image of an edit PromptItem: uint8 [3, H, W], RGB, original size (a copy:
-    the caller may modify it). Decoded once per content and kept in an LRU cache of
+def _item_sources(item) -> tuple[list, str]:
+    source = getattr(item, "image", None)
+    where = getattr(item, "where", None) or repr(getattr(item, "prompt", item))
+    if source is None:
+        raise DataError(f"{where}: this prompt has no reference image (editing needs data.format: edit)")
+    return [source, *getattr(item, "extra_images", ())], where
+
+
+def read_references(item) -> list[torch.Tensor]:
+    """Every input image of an edit PromptItem, in order: uint8 [3, H, W], RGB, original size
+    (copies: the caller may modify them). Decoded once per content and kept in an LRU cache of
     `reference_cache_size()` images; a missing or undecodable image is a DataError naming the
     record's file:line or row."""
-    return _CACHE.get(item)
+    sources, where = _item_sources(item)
+    return [_CACHE.get(s, _cache_key(item, sources), where) if i == 0 else _CACHE.get(s, None, where)
+            for i, s in enumerate(sources)]
+
+
+def read_reference(item) -> torch.Tensor:
+    """The (first) reference image of an edit PromptItem, as `read_references` reads it."""
+    sources, where = _item_sources(item)
+    return _CACHE.get(sources[0], _cache_key(item, sources), where)
+
+
+def _cache_key(item, sources: list) -> str | None:
+    """The first image's cache key: a single image's md5, read at load (several images' item digest
+    is their set's, so each is then keyed by its path or its bytes' md5)."""
+    return getattr(item, "image_digest", None) if len(sources) == 1 else None
 
 
 def set_reference_cache_size(n: int) -> None:

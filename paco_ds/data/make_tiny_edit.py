@@ -1,5 +1,8 @@
 """Writes the tiny image-editing set (general_editing layout) that tests and tiny recipes read:
-`paco_ds/data/prompts/tiny_edit/{train,test}_metadata.jsonl` and `images/*.png`.
+`paco_ds/data/prompts/tiny_edit/{train,test}_metadata.jsonl` and `images/*.png`, and beside them
+the multi-image set `{train,test}_multi.jsonl` (Flow-Factory layout: an `images` list per record,
+two input images each, paths under `images/`), whose instructions name the inputs "picture 1" and
+"picture 2" as Qwen-Image-Edit-2509/2511 number them. Both sets draw on the same images.
 
 The images are simple shapes drawn with PIL on non-square and square canvases; the output is
 deterministic, so re-running this script reproduces the committed files:
@@ -94,6 +97,22 @@ TEST = [
     ("replace the star with a crescent moon", "star_at_night_64x96"),
 ]
 
+# Multi-image edits: two input images per item, the instruction numbering them in list order. The
+# inputs have different shapes; the last one sets the output's aspect ratio (as in diffusers'
+# QwenImageEditPlusPipeline).
+TRAIN_MULTI = [
+    ("put the circle of picture 1 into the scene of picture 2", ("red_circle_96x64", "green_triangle_80x80")),
+    ("paint the square of picture 1 with the stripes of picture 2", ("blue_square_64x96", "horizontal_stripes_80x80")),
+    ("place the star of picture 1 beside the shapes of picture 2", ("star_at_night_64x96", "triangle_and_circle_96x64")),
+    ("give the circle of picture 2 the night sky of picture 1", ("star_at_night_64x96", "red_circle_on_grey_80x80")),
+]
+TEST_MULTI = [
+    ("move the shapes of picture 1 onto the grass of picture 2", ("purple_circle_white_square_96x64",
+                                                                  "green_triangle_80x80")),
+    ("show the circle of picture 1 and the square of picture 2 side by side", ("red_circle_96x64",
+                                                                               "blue_square_64x96")),
+]
+
 
 def write(out: Path = OUT) -> list[Path]:
     """Write the images and both metadata files under `out`; returns the written paths."""
@@ -107,6 +126,11 @@ def write(out: Path = OUT) -> list[Path]:
         p = out / f"{split}_metadata.jsonl"
         p.write_text("".join(json.dumps({"prompt": prompt, "image": f"images/{name}.png"}) + "\n"
                              for prompt, name in rows))
+        written.append(p)
+    for split, rows in (("train", TRAIN_MULTI), ("test", TEST_MULTI)):
+        p = out / f"{split}_multi.jsonl"
+        p.write_text("".join(json.dumps({"prompt": prompt, "images": [f"{name}.png" for name in names]}) + "\n"
+                             for prompt, names in rows))
         written.append(p)
     return written
 

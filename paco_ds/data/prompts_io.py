@@ -1,5 +1,5 @@
 """Prompt files: T2IS jsonl (prompt + layout + size + consistency criteria), plain text lists, and
-image-editing records (an instruction + a reference image; paco_ds/data/edit.py).
+image-editing records (an instruction + one or several input images; paco_ds/data/edit.py).
 
 Every malformed line is reported as `file:line: reason` (a DataError, exit code 2), never skipped.
 """
@@ -23,7 +23,10 @@ class PromptItem:
     # Editing (data.format: edit): the reference image as a resolved path or its encoded bytes,
     # and the md5 of those bytes. Read it with paco_ds.data.edit.read_reference(item).
     image: str | bytes | None = field(default=None, repr=False)
-    image_digest: str | None = None
+    image_digest: str | None = None  # with extra_images: the md5 of every input image's md5, in order
+    # A multi-image edit's further input images (paths), in the instruction's order after `image`;
+    # read_references(item) reads them all.
+    extra_images: tuple[str, ...] = field(default=(), repr=False)
     where: str | None = None  # "file:line" or "file row N", for error messages
 
     def size(self, fallback: int) -> tuple[int, int]:

@@ -82,9 +82,12 @@ def _build(cfg, dist):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    from paco_ds.grpo.preflight import check_input_images
+
     items = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file")
     if cfg.data.max_test_prompts:
         items = items[:cfg.data.max_test_prompts]
+    check_input_images(cfg, items, "data.test_file")  # before any model loads
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
     check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dist.device, cfg.model.dtype)
     policy = build_policy(cfg.model, dist.device)  # whole on each rank: inference holds no optimizer state

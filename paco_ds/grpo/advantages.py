@@ -55,7 +55,10 @@ class EpochRewards:
 
         return cls(groups=joined(lambda e: e["groups"]), valid=joined(lambda e: e["valid"]),
                    scores={name: joined(lambda e, n=name: e["scores"][n]) for name in scores},
-                   parts={name: joined(lambda e, n=name: e["parts"][n]) for name in parts},
+                   # a part one rank's samples lack (a multi-image edit's input2 where that rank drew
+                   # single-image edits only) is NaN there, as RewardRunner joins batches
+                   parts={name: joined(lambda e, n=name: e["parts"].get(n, np.full(len(e["positions"]), np.nan)))
+                          for name in dict.fromkeys(n for e in everyone for n in e["parts"])},
                    latency_s=[e["latency_s"] for e in everyone],
                    mine=np.searchsorted(pos[order], positions))
 

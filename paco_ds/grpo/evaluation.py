@@ -51,8 +51,9 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
                 rewards.submit(traj.images, traj.prompts, traj.metadata, refs)
                 for j, i in enumerate(p.group for p in picks):
                     scored.append((i, (h, w)))
-                    if i < n_show:  # an edit is shown beside its reference
-                        shown.append((i, [refs[j]] if refs else [], to_pil(traj.images[j][None])[0]))
+                    if i < n_show:  # an edit is shown beside its reference(s)
+                        ref = [] if not refs else list(refs[j]) if isinstance(refs[j], tuple) else [refs[j]]
+                        shown.append((i, ref, to_pil(traj.images[j][None])[0]))
             bar.update(len(chunk))
     bar.close()
     res = rewards.collect()
@@ -73,10 +74,16 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
 
 
 def eval_grid(images: list):
-    """Test images in prompt order; an edit's reference beside it."""
-    pairs = any(ref for _, ref, _ in images)
-    tiles = [im for _, ref, out in images for im in (*ref, out)]
-    return make_grid(tiles, ncols=2 if pairs else None)
+    """Test images in prompt order; an edit's reference(s) beside it, one row per edit (an edit with
+    fewer input images than the most has blank tiles before its output)."""
+    from PIL import Image
+
+    refs = max((len(ref) for _, ref, _ in images), default=0)
+    if not refs:
+        return make_grid([out for _, _, out in images])
+    blank = Image.new("RGB", (1, 1), "white")
+    tiles = [im for _, ref, out in images for im in (*ref, *[blank] * (refs - len(ref)), out)]
+    return make_grid(tiles, ncols=refs + 1)
 
 
 @contextlib.contextmanager

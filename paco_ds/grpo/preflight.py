@@ -4,6 +4,8 @@ exists:
 
 - every image size the model will be asked for is a multiple of its family's `size_multiple`
   (train/test resolution, and the height/width of each data record, named by file:line);
+- no editing record has more input images than the family conditions on (`max_input_images`:
+  one for Kontext and Qwen-Image-Edit, three for Qwen-Image-Edit-2509/2511), named by file:line;
 - every reward argument of the recipe is one the reward's constructor takes;
 - a reward or loss named by import path ("module:Class") imports (a policy's is imported at load);
 - the DeepSpeed config file exists and is JSON;
@@ -39,6 +41,19 @@ def check_sizes(cfg: Config, items: list, key: str) -> None:
             if v and v % m:
                 raise DataError(f"{it.where or key}: '{side}' {v} is not a multiple of {m}, which the '{fam}' "
                                 f"model needs ({key})")
+
+
+def check_input_images(cfg: Config, items: list, key: str) -> None:
+    """A multi-image record for a family that reads fewer images would train on an instruction that
+    names images the model never sees: refused, naming the record."""
+    from paco_ds.models import policy_class
+
+    most = policy_class(cfg.model.family).max_input_images
+    for it in items:
+        n = len(getattr(it, "extra_images", ())) + 1
+        if getattr(it, "image", None) is not None and n > most:
+            raise DataError(f"{it.where or key}: {n} input images, and model.family '{cfg.model.family}' conditions "
+                            f"on at most {most} (multi-image editing: model.family qwen_image_edit_plus)")
 
 
 def check_reward_arguments(cfg: Config) -> None:
@@ -180,8 +195,10 @@ def check_deepspeed_config(cfg: Config) -> None:
 
 def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_sizes(cfg, train_items, "data.train_file")
+    check_input_images(cfg, train_items, "data.train_file")
     if test_items:
         check_sizes(cfg, test_items, "data.test_file")
+        check_input_images(cfg, test_items, "data.test_file")
     check_reward_arguments(cfg)
     check_records_for_rewards(cfg, train_items, test_items)
     if cfg.model.lora.path:

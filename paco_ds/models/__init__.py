@@ -14,6 +14,7 @@ POLICIES: dict[str, str] = {
     "flux_kontext": "paco_ds.models.flux_kontext:KontextPolicy",
     "qwen_image": "paco_ds.models.qwen_image:QwenImagePolicy",
     "qwen_image_edit": "paco_ds.models.qwen_image_edit:QwenEditPolicy",
+    "qwen_image_edit_plus": "paco_ds.models.qwen_image_edit_plus:QwenEditPlusPolicy",
     "sd3": "paco_ds.models.sd3:SD3Policy",
     "z_image": "paco_ds.models.z_image:ZImagePolicy",
 }

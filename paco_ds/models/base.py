@@ -65,9 +65,13 @@ class Condition:
     the Trajectory: the latents to every training forward (no re-encoding per step), the original
     images to the rewards (`ref_images`), which compare against them, not a resized copy."""
 
-    images: list[torch.Tensor]  # the originals, uint8 [3, H_i, W_i] each (sizes may differ)
+    # the originals, one entry per sample: a uint8 [3, H_i, W_i] tensor (sizes may differ), or for a
+    # multi-image edit a tuple of them, its input images in order
+    images: list[torch.Tensor | tuple[torch.Tensor, ...]]
     latents: torch.Tensor | None = None  # packed [B, Lc, C] at `size`, what the transformer reads
-    size: tuple[int, int] | None = None  # (height, width) in pixels the condition was encoded at
+    # (height, width) in pixels the condition was encoded at; a multi-image condition's policy
+    # keeps one per input image (a tuple of them), its latents concatenated in that order
+    size: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.images)
@@ -120,6 +124,9 @@ class Policy(ABC):
     # its real classes built on the meta device from the published configs (models/full_size.py).
     # None: the family is not planned (one line naming model.family).
     full_size: FullSize | None = None
+    # How many input images an editing family conditions on per sample: data with more is refused
+    # at load, naming the record (paco_ds/grpo/preflight.py). Several arrive as a tuple per sample.
+    max_input_images: int = 1
     # Whether the transformer's attention goes through diffusers' attention dispatcher, so that
     # `model.attention_backend` can choose its kernel (paco_ds/models/attention.py).
     attention_dispatch: bool = False

@@ -208,9 +208,10 @@ class QwenImagePolicy(PackedPolicy):
     # ------------------------------------------------------------------ transformer / VAE
     def transformer_forward(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,
                             height: int, width: int, guidance: float, extra: torch.Tensor | None = None,
-                            extra_size: tuple[int, int] | None = None) -> torch.Tensor:
-        """One forward on the noisy tokens (followed by `extra` tokens of an image of `extra_size`
-        pixels, an edit's reference); returns the velocity of the noisy tokens."""
+                            extra_sizes: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """One forward on the noisy tokens, followed by `extra` tokens: an edit's input images, one
+        after another, of `extra_sizes` pixels each (img_shapes lists the target, then each input,
+        so the RoPE gives each its own frame index); returns the velocity of the noisy tokens."""
         if guidance > 1 and not self._warned_guidance:
             log.warning("guidance_scale %s is unused: %s has no guidance embedding and true CFG needs a negative "
                         "prompt (none is configured)", guidance, self.display_name)
@@ -220,9 +221,10 @@ class QwenImagePolicy(PackedPolicy):
         h, w = self.latent_hw(height, width)
         tokens, shapes = latents.to(self.dtype), [(1, h // 2, w // 2)]
         if extra is not None:
-            eh, ew = self.latent_hw(*extra_size)
             tokens = torch.cat([tokens, extra.to(self.device, self.dtype)], dim=1)
-            shapes.append((1, eh // 2, ew // 2))
+            for size in extra_sizes:
+                eh, ew = self.latent_hw(*size)
+                shapes.append((1, eh // 2, ew // 2))
         text, mask = embeds.prompt_embeds.to(self.device, self.dtype), embeds.mask
         if mask is not None:  # drop the columns no row uses; no mask at all when none is padded
             mask = mask.to(self.device).bool()

@@ -135,25 +135,37 @@ class QwenEditPolicy(QwenImagePolicy):
             raise ValueError(f"references of one batch need different condition sizes {sorted(sizes)} for a "
                              f"{height}x{width} target; use sample.batch_size 1 for such data")
         ch, cw = sizes.pop()
-        pixels = torch.stack([torch.from_numpy(np.asarray(_resize(im, ch, cw)).copy()).permute(2, 0, 1)
+        return Condition(images=list(images), latents=self.vae_tokens(images, ch, cw), size=(ch, cw))
+
+    def vae_tokens(self, images: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
+        """The packed, normalised VAE latents [B, L, C] of uint8 images resized to height x width."""
+        pixels = torch.stack([torch.from_numpy(np.asarray(_resize(im, height, width)).copy()).permute(2, 0, 1)
                               for im in images]).to(self.device, self.dtype)
         x = (pixels / 127.5 - 1.0).unsqueeze(2)  # [B, 3, 1, H, W] in [-1, 1]
         lat = self.vae.encode(x).latent_dist.mode()
         mean, std = self._latent_stats(lat.dtype)
         lat = ((lat - mean) / std)[:, :, 0]
-        return Condition(images=list(images), latents=self.pack(lat).to(self.dtype), size=(ch, cw))
+        return self.pack(lat).to(self.dtype)
+
+    def condition_sizes(self, condition: Condition) -> list[tuple[int, int]]:
+        """The pixel size of each input image the condition's latents hold, in order."""
+        return [condition.size]
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], condition: Condition | None = None) -> TextEmbeds:
         """One VL forward for the batch (each sample encoded once): template + reference image ->
         last hidden states without the template prefix, right-padded, with their mask."""
         if condition is None or len(condition) != len(prompts):
-            raise ValueError("Qwen-Image-Edit encodes each prompt together with its reference image: "
+            raise ValueError(f"{self.display_name} encodes each prompt together with its reference image: "
                              "pass the batch's Condition")
         vh, vw = self.vl_size(*condition.size)
         images = [_resize(im, vh, vw) for im in condition.images]
-        inputs = self.processor(text=[self.prompt_template.format(p) for p in prompts], images=images, padding=True,
-                                return_tensors="pt")
+        return self.vl_embeds([self.prompt_template.format(p) for p in prompts], images)
+
+    def vl_embeds(self, texts: list[str], images: list) -> TextEmbeds:
+        """The VL encoder on the batch's texts with their images (PIL, in the order the texts'
+        image placeholders name them): the prompt embeddings without the template prefix."""
+        inputs = self.processor(text=texts, images=images, padding=True, return_tensors="pt")
         kwargs = {k: inputs[k].to(self.device) for k in ("input_ids", "attention_mask", "image_grid_thw")}
         kwargs["pixel_values"] = inputs["pixel_values"].to(self.device, self.dtype)
         if "mm_token_type_ids" in inputs:
@@ -168,11 +180,12 @@ class QwenEditPolicy(QwenImagePolicy):
                  height: int, width: int, guidance: float, condition: Condition | None = None) -> torch.Tensor:
         """One forward on [noisy target tokens | condition tokens]; returns the target's part."""
         if condition is None or condition.latents is None:
-            raise ValueError("Qwen-Image-Edit needs the reference's Condition for every forward")
-        ch, cw = self.latent_hw(*condition.size)
+            raise ValueError(f"{self.display_name} needs the reference's Condition for every forward")
+        sizes = self.condition_sizes(condition)
+        expected = sum((h // 2) * (w // 2) for h, w in (self.latent_hw(*size) for size in sizes))
         cond = condition.latents
         b = latents.shape[0]
-        if cond.shape[0] != b or cond.shape[1] != (ch // 2) * (cw // 2):
+        if cond.shape[0] != b or cond.shape[1] != expected:
             raise ValueError(f"condition latents {tuple(cond.shape)} do not match batch {b} at {condition.size}")
         return self.transformer_forward(module, latents, sigma, embeds, height, width, guidance, extra=cond,
-                                        extra_size=condition.size)
+                                        extra_sizes=sizes)

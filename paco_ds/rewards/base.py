@@ -7,6 +7,7 @@ validity mask. A reward that cannot score a sample raises (policy `raise`) or ma
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -129,10 +130,12 @@ class Reward:
         pass
 
 
-def reference_images(ref_images, n: int, name: str) -> list[Image.Image]:
-    """The editing rewards' reference images as RGB PIL images, one per sample. Accepts PIL
-    images or uint8 [3, H, W] tensors/arrays (as paco_ds.data.edit.read_reference returns; sizes
-    may differ) or one [B, 3, H, W] batch. None, or a count that does not match, is a RewardError."""
+def reference_sets(ref_images, n: int, name: str) -> list[tuple[Image.Image, ...]]:
+    """The editing rewards' input images as RGB PIL images, a tuple per sample: its one reference,
+    or a multi-image edit's inputs in order. Each sample's entry is a PIL image or a uint8
+    [3, H, W] tensor/array (as paco_ds.data.edit.read_references returns; sizes may differ), or a
+    tuple/list of them; or the whole is one [B, 3, H, W] batch. None, or a count that does not
+    match, is a RewardError."""
     if ref_images is None:
         raise RewardError(f"{name} compares each edit with its reference image, and none was passed "
                           "(ref_images is None): it needs editing data (data.format: edit) and an editing policy")
@@ -140,18 +143,51 @@ def reference_images(ref_images, n: int, name: str) -> list[Image.Image]:
         from paco_ds.images import to_pil
 
         ref_images = to_pil(ref_images)
-    out = []
-    for im in ref_images:
+
+    def rgb(im) -> Image.Image:
         if not isinstance(im, Image.Image):
             arr = im.detach().cpu().numpy() if hasattr(im, "detach") else np.asarray(im)
             if arr.ndim != 3 or arr.shape[0] != 3 or arr.dtype != np.uint8:
                 raise RewardError(f"{name}: a reference image must be a PIL image or uint8 [3, H, W] "
                                   f"(got {arr.dtype} {list(arr.shape)})")
             im = Image.fromarray(arr.transpose(1, 2, 0))
-        out.append(im if im.mode == "RGB" else im.convert("RGB"))
+        return im if im.mode == "RGB" else im.convert("RGB")
+
+    out = [tuple(rgb(im) for im in entry) if isinstance(entry, (list, tuple)) else (rgb(entry),)
+           for entry in ref_images]
     if len(out) != n:
         raise RewardError(f"{name} needs one reference image per sample (got {len(out)} for {n})")
+    if any(not entry for entry in out):
+        raise RewardError(f"{name}: a sample has an empty list of reference images")
     return out
+
+
+def reference_images(ref_images, n: int, name: str) -> list[Image.Image]:
+    """One reference image per sample (reference_sets' input); a multi-image edit is a RewardError
+    for a reward that rates an edit against one original."""
+    sets = reference_sets(ref_images, n, name)
+    several = next((len(s) for s in sets if len(s) > 1), None)
+    if several:
+        raise RewardError(f"{name} rates an edit against one original image, and a sample has {several} input "
+                          "images (multi-image editing: score it with consistency_for_editing or clip_i)")
+    return [s[0] for s in sets]
+
+
+def weakest_input(terms: Sequence[float]) -> int:
+    """Which input image a multi-image edit's per-input scores combine to: the lowest (NaN if any
+    is NaN: a term that failed or went unanswered is not skipped). The score of an edit of several
+    images is its weakest consistency (docs/editing.md says why the minimum, not the mean)."""
+    values = np.asarray(terms, dtype=np.float64)
+    return int(np.argmax(np.isnan(values))) if np.isnan(values).any() else int(np.argmin(values))
+
+
+def per_input_parts(terms: list[Sequence[float]]) -> dict[str, list[float]]:
+    """Parts 'input1', 'input2', ...: each sample's per-input scores (NaN where a sample has fewer
+    inputs), logged as reward/<name>/input<i>/mean; none when every sample has one input."""
+    most = max((len(t) for t in terms), default=0)
+    if most < 2:
+        return {}
+    return {f"input{i + 1}": [float(t[i]) if i < len(t) else math.nan for t in terms] for i in range(most)}
 
 
 def image_digest(image: Image.Image) -> str:

@@ -3,13 +3,15 @@ the edit (how much of the original survives; no logit scale, so the score lies i
 
 open_clip ViT-H-14 (laion2b_s32b_b79k) by default, as subfig_clipT; `tiny: true` builds a random
 tiny CLIP offline. Embeddings are cached by image content: the k samples of a group share one
-reference, which is embedded once. Without reference images it is a RewardError.
+reference, which is embedded once. Without reference images it is a RewardError. A multi-image
+edit scores its similarity to each input image and keeps the weakest (the minimum, as
+consistency_for_editing; docs/editing.md), logging each input's as part `input<i>`.
 """
 from __future__ import annotations
 
 import torch
 
-from paco_ds.rewards.base import RewardResult, image_digest, reference_images
+from paco_ds.rewards.base import RewardResult, image_digest, per_input_parts, reference_sets, weakest_input
 from paco_ds.rewards.openclip import OpenClipReward
 
 
@@ -25,7 +27,8 @@ class ClipI(OpenClipReward):
         return out
 
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
-        refs = reference_images(ref_images, len(images), self.name)
+        ref_sets = reference_sets(ref_images, len(images), self.name)
+        refs = [r for rs in ref_sets for r in rs]
         digests: dict[int, str] = {}
 
         def digest(im) -> str:
@@ -33,7 +36,6 @@ class ClipI(OpenClipReward):
                 digests[id(im)] = image_digest(im)
             return digests[id(im)]
 
-        pairs = [(digest(r), digest(e)) for r, e in zip(refs, images)]
         known, todo = {}, {}
         for im in [*refs, *images]:
             d = digest(im)
@@ -47,4 +49,5 @@ class ClipI(OpenClipReward):
         for d, emb in zip(todo, self._embed(list(todo.values())) if todo else []):
             known[d] = emb
             self.cache.put(d, emb)
-        return RewardResult.ok([float((known[a] * known[b]).sum()) for a, b in pairs])
+        terms = [[float((known[digest(r)] * known[digest(e)]).sum()) for r in rs] for rs, e in zip(ref_sets, images)]
+        return RewardResult.ok([t[weakest_input(t)] for t in terms], per_input_parts(terms))

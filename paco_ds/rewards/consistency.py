@@ -10,7 +10,10 @@ deduplicated within a call and cached across calls by (panel contents, prompt te
 `consistency_for_editing` (PaCo-RL/PaCo-GRPO/paco_grpo/rewards/consistency_for_editing.py) asks two
 questions about (reference, edited), the reference (the original the trainer passes as `ref_images`, at
 its own size) first, and returns sqrt(P_consistent * P_follows), with both probabilities as the result's
-parts. Without reference images it is a RewardError, not a score.
+parts. Without reference images it is a RewardError, not a score. A multi-image edit asks the same two
+questions about each input image and the edit; its score is the weakest input's (the minimum over
+inputs, docs/editing.md says why), `consistency`/`following` are that input's probabilities, and each
+input's own score is logged as part `input<i>`.
 
 The score is P(Yes)/(P(Yes)+P(No)) from the first token's top logprobs (exact "Yes"/"No", or
 with `canonicalize` every token that strips and lowercases to yes/no). A sample whose requests
@@ -34,7 +37,8 @@ from PIL import Image
 from paco_ds.errors import ConfigError, RewardError
 from paco_ds.images import grid_shape, split_panels, split_prompt
 from paco_ds.rewards.base import (Count, ImageFormat, JpegQuality, LRUCache, NonNegative, PartialRewardError, Reward,
-                                  RewardResult, Seconds, image_digest, reference_images)
+                                  RewardResult, Seconds, image_digest, per_input_parts, reference_sets,
+                                  weakest_input)
 from paco_ds.rewards.client import ChatClient, RetryPolicy, open_judge
 
 log = logging.getLogger(__name__)
@@ -218,31 +222,40 @@ class ConsistencyScore(RemoteJudge):
 
 class ConsistencyForEditing(RemoteJudge):
     """sqrt(P_consistent * P_follows) for each (reference, edited) pair: two questions per sample
-    (the reference first), asked once per distinct (reference, edit, instruction) and cached by
-    content. The result carries both probabilities as parts 'consistency' and 'following'."""
+    and input image (the input first), asked once per distinct (input, edit, instruction) and cached
+    by content. The result carries both probabilities as parts 'consistency' and 'following' (of
+    the weakest input, whose score is the sample's), and for multi-image edits each input's score
+    as 'input1', 'input2', ..."""
 
     name = "consistency_for_editing"
 
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
-        refs = reference_images(ref_images, len(images), self.name)
+        ref_sets = reference_sets(ref_images, len(images), self.name)
         questions, per_sample, digests = {}, [], {}
-        for ref, edited, prompt in zip(refs, images, prompts):
-            if id(ref) not in digests:  # a group's k samples usually share one reference object
-                digests[id(ref)] = image_digest(ref)
-            pair = (digests[id(ref)], image_digest(edited))
-            keys = []
-            for template in (EDIT_CONSISTENCY_TEMPLATE, EDIT_FOLLOWING_TEMPLATE):
-                key = (*pair, template.format(prompt=prompt))
-                questions.setdefault(key, ((ref, edited), key[2]))
-                keys.append(key)
-            per_sample.append(keys)
+        for refs, edited, prompt in zip(ref_sets, images, prompts):
+            d_edit = image_digest(edited)
+            per_input = []
+            for ref in refs:
+                if id(ref) not in digests:  # a group's k samples usually share their references
+                    digests[id(ref)] = image_digest(ref)
+                keys = []
+                for template in (EDIT_CONSISTENCY_TEMPLATE, EDIT_FOLLOWING_TEMPLATE):
+                    key = (digests[id(ref)], d_edit, template.format(prompt=prompt))
+                    questions.setdefault(key, ((ref, edited), key[2]))
+                    keys.append(key)
+                per_input.append(keys)
+            per_sample.append(per_input)
         answers = self.judge(questions)
-        scores, errors, cons, follow = [], [], [], []
-        for keys in per_sample:
+        scores, errors, cons, follow, terms = [], [], [], [], []
+        for per_input in per_sample:
+            keys = [k for pair in per_input for k in pair]
             err = next((answers[k] for k in keys if isinstance(answers[k], RewardError)), None)
             errors.append(err)
-            pc, pf = (math.nan, math.nan) if err is not None else (answers[keys[0]], answers[keys[1]])
-            cons.append(pc)
-            follow.append(pf)
-            scores.append(math.sqrt(pc * pf))  # NaN when either is (failed, or neither Yes nor No)
-        return self._finish(scores, errors, {"consistency": cons, "following": follow})
+            pairs = [(math.nan, math.nan) if err is not None else (answers[c], answers[f]) for c, f in per_input]
+            s = [math.sqrt(pc * pf) for pc, pf in pairs]  # NaN when either is (failed, or neither Yes nor No)
+            weakest = weakest_input(s)
+            cons.append(pairs[weakest][0])
+            follow.append(pairs[weakest][1])
+            scores.append(s[weakest])
+            terms.append(s)
+        return self._finish(scores, errors, {"consistency": cons, "following": follow, **per_input_parts(terms)})

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from paco_ds.config import Config
-from paco_ds.data import PromptItem, read_reference
+from paco_ds.data import PromptItem, read_references
 from paco_ds.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
@@ -73,22 +73,25 @@ class Rollouts:
 
     def by_size(self, picks: list[Pick], resolution: int) -> list[tuple[tuple[int, int], list[Pick]]]:
         """Split (item, group id, position) picks into runs of the same image size, keeping order.
-        An item's own height/width win; an edit's size keeps its reference's aspect ratio."""
+        An item's own height/width win; an edit's size keeps its reference's aspect ratio (the last
+        input image's, for several: as diffusers' QwenImageEditPlusPipeline sizes its output)."""
         groups: dict[tuple[int, int], list] = {}
         for p in picks:
             item = p.item
             if item.height or item.width or item.image is None:
                 size = item.size(resolution)
             else:
-                size = self.policy.target_size(*read_reference(item).shape[1:], resolution)
+                size = self.policy.target_size(*read_references(item)[-1].shape[1:], resolution)
             groups.setdefault(size, []).append(p)
         return list(groups.items())
 
     def condition(self, items: list[PromptItem], h: int, w: int) -> Condition | None:
-        """An editing batch's reference images, encoded once for the whole rollout and training."""
+        """An editing batch's reference images, encoded once for the whole rollout and training: one
+        tensor per sample, or a tuple of them for a multi-image edit."""
         if items[0].image is None:
             return None
-        return self.policy.encode_condition([read_reference(it) for it in items], h, w)
+        per_item = [read_references(it) for it in items]
+        return self.policy.encode_condition([refs[0] if len(refs) == 1 else tuple(refs) for refs in per_item], h, w)
 
     def sample(self, module, picks: list[Pick], h: int, w: int, epoch: int) -> Trajectory:
         """One training rollout batch: the recipe's noise steps (or SDE window), log pi_old of the
@@ -165,5 +168,9 @@ class Rollouts:
 
     @staticmethod
     def references(traj: Trajectory):
-        """The original reference images of an editing batch as PIL images (None for text-to-image)."""
-        return [to_pil(im[None])[0] for im in traj.condition.images] if traj.condition is not None else None
+        """The original reference images of an editing batch as PIL images, a tuple of them for a
+        multi-image edit (None for text-to-image)."""
+        if traj.condition is None:
+            return None
+        return [tuple(to_pil(i[None])[0] for i in im) if isinstance(im, tuple) else to_pil(im[None])[0]
+                for im in traj.condition.images]

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from conftest import REPO, run_cli
-from paco_ds.data import PromptItem, load_prompts, read_reference
+from paco_ds.data import PromptItem, load_prompts, read_reference, read_references
 from paco_ds.data.edit import clear_reference_cache, reference_cache_stats, set_reference_cache_size
 from paco_ds.errors import DataError, exit_on_user_error
 
@@ -65,8 +65,8 @@ def test_tiny_edit_set_is_what_the_generator_draws(tmp_path):
     from paco_ds.data import make_tiny_edit
 
     make_tiny_edit.write(tmp_path)
-    for split in ("train", "test"):
-        assert (tmp_path / f"{split}_metadata.jsonl").read_text() == (TINY / f"{split}_metadata.jsonl").read_text()
+    for name in ("train_metadata", "test_metadata", "train_multi", "test_multi"):
+        assert (tmp_path / f"{name}.jsonl").read_text() == (TINY / f"{name}.jsonl").read_text()
     shipped = sorted(p.name for p in (TINY / "images").glob("*.png"))
     assert shipped == sorted(p.name for p in (tmp_path / "images").glob("*.png"))
     for name in shipped:  # pixels, not bytes: zlib builds may differ
@@ -125,14 +125,69 @@ def test_flow_factory_layout_images_dir_lists_and_negative_prompt(tmp_path):
     assert tuple(read_reference(items[1]).shape) == (3, 30, 20)
 
 
-def test_more_than_one_image_is_a_one_line_error(tmp_path):
+def test_several_input_images_per_record(tmp_path):
+    """A list of paths is a multi-image edit: the first is `image`, the rest `extra_images`, in order;
+    the group is (instruction, every image's content in order); a one-element list is one image."""
     (tmp_path / "images").mkdir()
-    for n in ("a.png", "b.png"):
-        (tmp_path / "images" / n).write_bytes(_png())
-    f = _jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "image": "a.png"},
-                                         {"prompt": "merge them", "image": ["a.png", "b.png"]}])
-    with pytest.raises(DataError, match=rf"^{f}:2: 'image' lists 2 images; an edit record takes one reference"):
-        load_prompts(f, "edit")
+    (tmp_path / "images" / "a.png").write_bytes(_png(30, 20))
+    (tmp_path / "images" / "b.png").write_bytes(_png(20, 30, (0, 0, 255)))
+    (tmp_path / "images" / "copy_of_a.png").write_bytes(_png(30, 20))
+    f = _jsonl(tmp_path / "train.jsonl", [{"prompt": "put picture 1 into picture 2", "image": ["a.png", "b.png"]},
+                                         {"prompt": "put picture 1 into picture 2", "images": ["b.png", "a.png"]},
+                                         {"prompt": "put picture 1 into picture 2", "images": ["copy_of_a.png", "b.png"]},
+                                         {"prompt": "p", "image": ["a.png"]}])
+    items = load_prompts(f, "edit")
+    assert [it.where.rsplit(":", 1)[1] for it in items] == ["1", "2", "4"]  # line 3 repeats line 1's contents
+    first, swapped, single = items
+    images = tmp_path / "images"
+    assert (first.image, first.extra_images) == (str((images / "a.png").resolve()), (str((images / "b.png").resolve()),))
+    assert first.group_key != swapped.group_key  # the order is part of the edit
+    from paco_ds.data.edit import image_md5
+
+    assert single.extra_images == () and single.image_digest == image_md5(_png(30, 20))  # the one-image key
+    assert [tuple(t.shape) for t in read_references(first)] == [(3, 20, 30), (3, 30, 20)]
+    assert [tuple(t.shape) for t in read_references(swapped)] == [(3, 30, 20), (3, 20, 30)]
+    assert torch.equal(read_reference(first), read_references(first)[0])
+    assert [tuple(t.shape) for t in read_references(single)] == [(3, 20, 30)]
+
+
+def test_tiny_multi_image_set_has_two_inputs_per_item():
+    train = load_prompts(TINY / "train_multi.jsonl", "edit", "data.train_file")
+    test = load_prompts(TINY / "test_multi.jsonl", "edit", "data.test_file")
+    assert len(train) == 4 and len(test) == 2
+    for it in train + test:
+        refs = read_references(it)
+        assert len(refs) == 2 and all(r.dtype == torch.uint8 and r.shape[0] == 3 for r in refs)
+        assert "picture 1" in it.prompt and "picture 2" in it.prompt
+        assert it.where.startswith(str(TINY / "t")) and it.where.rsplit(":", 1)[1].isdigit()
+    assert len({it.group_key for it in train}) == len(train)
+    assert len({tuple(read_references(it)[0].shape[1:]) for it in train}) > 1  # inputs of several shapes
+
+
+def test_multi_image_data_for_a_single_image_family_is_one_line():
+    """Two input images per record and a family that reads one: refused before anything starts,
+    naming the record; the multi-image family takes the same file."""
+    from conftest import one_line_error
+
+    multi = TINY / "train_multi.jsonl"
+    line = one_line_error(run_cli("launch/train.py", "--config", "configs/tiny/qwen_edit.yaml", "--dry-run",
+                                  "--set", f"data.train_file={multi}"))
+    assert f"{multi}:1: 2 input images, and model.family 'qwen_image_edit' conditions on at most 1" in line
+    ok = run_cli("launch/train.py", "--config", "configs/tiny/qwen_edit.yaml", "--dry-run", "--set",
+                 f"data.train_file={multi}", "--set", "model.family=qwen_image_edit_plus")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_eval_grid_puts_each_edits_inputs_before_it_in_one_row():
+    from paco_ds.grpo.evaluation import eval_grid
+
+    a, b, out = (Image.new("RGB", (10, 10), c) for c in ("red", "blue", "green"))
+    two = eval_grid([(0, [a, b], out), (1, [a], out)])  # an edit of two inputs, one of one
+    assert two.size == (3 * 12 + 2, 2 * 12 + 2)  # three columns (a blank where the second has no input 2)
+    assert two.getpixel((2 + 2 * 12, 2 + 12)) == (0, 128, 0)  # row 2's edit in the third column
+    assert two.getpixel((2 + 12, 2 + 12)) == (255, 255, 255)
+    assert eval_grid([(0, [a], out)]).size == (2 * 12 + 2, 12 + 2)
+    assert eval_grid([(0, [], out), (1, [], out)]).size == (2 * 12 + 2, 12 + 2)  # text-to-image: a square grid
 
 
 @pytest.mark.parametrize("row,msg", [
@@ -140,6 +195,8 @@ def test_more_than_one_image_is_a_one_line_error(tmp_path):
     ({"prompt": "p"}, r":1: missing 'image'"),
     ({"prompt": "", "image": "a.png"}, r":1: missing or empty 'prompt'"),
     ({"prompt": "p", "image": 3}, r":1: 'image' must be a path"),
+    ({"prompt": "p", "images": ["a.png", 3]}, r":1: 'images'\[1\] must be a path"),
+    ({"prompt": "p", "images": ["a.png", "gone.png"]}, r":1: image not found: .*gone\.png$"),
     ({"prompt": "p", "image": "a.png", "negative_prompt": 1}, r":1: 'negative_prompt' must be a string"),
     ('{"prompt": "p", ', r":1: malformed JSON"),
 ])

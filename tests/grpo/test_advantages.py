@@ -308,3 +308,20 @@ def test_epoch_rewards_are_in_epoch_order_and_each_rank_gets_its_own_back():
     per_sample = np.array([10.0, 11.0, 13.0, 15.0])  # indexed by epoch order
     first, second = r.split(per_sample, [2, 2], torch.float32)
     assert first.tolist() == [15.0, 11.0] and second.tolist() == [13.0, 10.0]
+
+
+def test_epoch_reward_parts_one_rank_lacks_are_nan_there(monkeypatch):
+    """Two ranks whose samples have different parts (a multi-image edit's `input2` only where that
+    rank drew one): the gathered part spans the epoch, NaN for the other rank's samples."""
+    from paco_ds import distributed
+    from paco_ds.grpo.advantages import EpochRewards
+
+    other = {"positions": np.array([1]), "groups": np.array([0]), "valid": np.array([True]),
+             "scores": {"a": np.array([0.4])}, "parts": {"a/input1": np.array([0.4])}, "latency_s": []}
+    monkeypatch.setattr(distributed, "all_gather_object", lambda mine: [mine, other])
+    r = EpochRewards.gather(np.array([0]), groups=np.array([0]), valid=np.array([True]),
+                            scores={"a": np.array([0.2])}, parts={"a/input1": np.array([0.2]),
+                                                                  "a/input2": np.array([0.3])}, latency_s=[])
+    assert r.parts["a/input1"].tolist() == [0.2, 0.4]
+    assert r.parts["a/input2"][0] == 0.3 and np.isnan(r.parts["a/input2"][1])
+    assert r.metrics(type("Adv", (), {"stats": {}, "combined": np.array([0.0, 0.0])})())["reward/a/input2/mean"] == 0.3

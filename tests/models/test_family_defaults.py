@@ -16,6 +16,7 @@ from paco_ds.models.flux_kontext import KontextPolicy
 from paco_ds.models.lora import add_lora
 from paco_ds.models.qwen_image import QwenImagePolicy
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
+from paco_ds.models.qwen_image_edit_plus import QwenEditPlusPolicy
 
 pytestmark = pytest.mark.fast
 
@@ -40,13 +41,17 @@ def _qwen_recipe_without_defaults(tmp_path):
 
 
 def test_every_family_names_its_own_checkpoint_and_targets():
-    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image", "qwen_image_edit", "sd3", "z_image"}
+    assert set(POLICIES) == {"flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "sd3",
+                             "z_image"}
     assert FluxPolicy.default_path == "black-forest-labs/FLUX.1-dev"
     assert KontextPolicy.default_path == "black-forest-labs/FLUX.1-Kontext-dev"
     assert QwenEditPolicy.default_path == "Qwen/Qwen-Image-Edit"
     assert list(QwenEditPolicy.lora_targets) == QWEN_OWN
     assert QwenImagePolicy.default_path == "Qwen/Qwen-Image"  # the text-to-image sibling, the same MMDiT
     assert list(QwenImagePolicy.lora_targets) == QWEN_OWN
+    assert QwenEditPlusPolicy.default_path == "Qwen/Qwen-Image-Edit-2509"  # 2511 by model.path
+    assert list(QwenEditPlusPolicy.lora_targets) == QWEN_OWN
+    assert (QwenEditPlusPolicy.max_input_images, QwenEditPolicy.max_input_images, KontextPolicy.max_input_images) == (3, 1, 1)
     assert QwenImagePolicy.attention_dispatch and QwenEditPolicy.attention_dispatch
     assert KontextPolicy.lora_targets == FluxPolicy.lora_targets  # the same transformer class
     assert not {"img_mlp.net.2", "txt_mlp.net.2"} & set(FluxPolicy.lora_targets)
@@ -100,7 +105,8 @@ def test_a_target_that_matches_no_module_names_the_key(tiny_policy):
 
 
 @pytest.mark.parametrize("family, recipe", [("flux", "t2is"), ("sd3", "sd3_pickscore"), ("qwen_image_edit", "qwen_edit"),
-                                            ("qwen_image", "qwen_image_t2is"), ("z_image", "z_image_t2is")])
+                                            ("qwen_image", "qwen_image_t2is"), ("z_image", "z_image_t2is"),
+                                            ("qwen_image_edit_plus", "qwen_edit_plus")])
 def test_a_target_that_matches_no_module_is_one_line_in_the_dry_run(tmp_path, family, recipe):
     """Checked against the family's transformer built on the meta device, before any model loads."""
     from conftest import one_line_error

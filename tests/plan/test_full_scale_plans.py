@@ -15,7 +15,10 @@ T2IS_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
 EDIT_DATA = ["data.train_file=paco_ds/data/prompts/tiny_edit/train_metadata.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_edit/test_metadata.jsonl", "sample.prompts_per_epoch=7"]
+MULTI_EDIT_DATA = ["data.train_file=paco_ds/data/prompts/tiny_edit/train_multi.jsonl",
+                   "data.test_file=paco_ds/data/prompts/tiny_edit/test_multi.jsonl", "sample.prompts_per_epoch=4"]
 GiB = 2 ** 30
+QWEN_IMAGE_TRANSFORMER_PARAMS = 20_430_401_088  # without the LoRA (Qwen-Image's, Edit's and Edit-2509/2511's)
 
 
 def _plan(recipe: str, overrides: list[str], **kw):
@@ -39,10 +42,19 @@ def test_flux_t2is_fits_on_8_x_80_from_the_cli():
     assert largest > 1
 
 
-@pytest.mark.parametrize("recipe", ["kontext_edit.yaml", "qwen_edit.yaml"])
-def test_editing_recipes_fit_on_8_x_80(recipe):
-    plan = _plan(recipe, EDIT_DATA)
+@pytest.mark.parametrize("recipe,data,transformer", [
+    ("kontext_edit.yaml", EDIT_DATA, None),
+    ("qwen_edit.yaml", EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS),
+    ("qwen_edit_plus.yaml", MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS),  # two input images per edit
+])
+def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
+    import dataclasses
+
+    plan = _plan(recipe, data)
     assert plan.fits, plan.to_json()["verdict"]
+    assert dataclasses.replace(plan, gpu_gib=141).fits  # and on 8 x 141 GiB (H200)
+    if transformer:  # the real class built on meta: 2511's zero_cond_t adds no parameter
+        assert plan.params["transformer"] - plan.params["lora"] == transformer
     # the text encoders are parked for training; the gathered transformer is in sampling only
     assert plan.memory["training"]["text encoders"] == 0 < plan.memory["sampling"]["text encoders"]
     assert plan.memory["sampling"]["transformer gathered for sampling"] > 15 * GiB

@@ -175,6 +175,34 @@ def test_editing_reward_takes_original_references_of_other_sizes_cached_by_conte
     r.close()
 
 
+def test_multi_image_edit_is_scored_against_each_input_and_keeps_the_weakest(server, judge):
+    """Two questions per input image; the score is the lowest input's sqrt(P_consistent * P_follows),
+    consistency/following are that input's, and each input's score is a part (NaN where a sample of
+    the batch has fewer inputs). A single-input sample scores as before."""
+    r = _reward(server, name="consistency_for_editing")
+    inputs, edited = _grids(3, seed=31, size=40), _grids(2, seed=32, size=48)
+    prompts = ["put picture 1 into picture 2", "make it red"]
+    as_tensor = torch.from_numpy(np.asarray(inputs[1]).copy()).permute(2, 0, 1)
+    before = _completed(server)
+    res = r(edited, prompts, [{}, {}], ref_images=[(inputs[0], as_tensor), inputs[2]])
+    assert _completed(server) - before == 2 * 2 + 2 and res.valid.all()
+    terms = []
+    for ref in inputs[:2]:
+        pc = judge([ref, edited[0]], EDIT_CONSISTENCY_TEMPLATE.format(prompt=prompts[0]))
+        pf = judge([ref, edited[0]], EDIT_FOLLOWING_TEMPLATE.format(prompt=prompts[0]))
+        terms.append((math.sqrt(pc * pf), pc, pf))
+    weakest = min(terms)
+    assert abs(res.scores[0] - weakest[0]) < 1e-5
+    assert abs(res.parts["consistency"][0] - weakest[1]) < 1e-5 and abs(res.parts["following"][0] - weakest[2]) < 1e-5
+    assert abs(res.parts["input1"][0] - terms[0][0]) < 1e-5 and abs(res.parts["input2"][0] - terms[1][0]) < 1e-5
+    single = math.sqrt(judge([inputs[2], edited[1]], EDIT_CONSISTENCY_TEMPLATE.format(prompt=prompts[1]))
+                       * judge([inputs[2], edited[1]], EDIT_FOLLOWING_TEMPLATE.format(prompt=prompts[1])))
+    assert abs(res.scores[1] - single) < 1e-5 and abs(res.parts["input1"][1] - single) < 1e-5
+    assert math.isnan(res.parts["input2"][1])
+    assert "input1" not in r(edited[1:], prompts[1:], [{}], ref_images=[inputs[2]]).parts  # one input: as before
+    r.close()
+
+
 def test_jpeg_mode_sends_what_the_reference_sends(server):
     (image,) = _grids(1, seed=3)
     buf = io.BytesIO()

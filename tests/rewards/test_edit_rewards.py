@@ -167,6 +167,23 @@ def test_clip_i_cosine_of_reference_and_edit_with_a_cache():
         r(edits, ["p"] * 3, [{}] * 3, ref_images=ref_pil)
 
 
+def test_clip_i_multi_image_edit_keeps_the_weakest_input_and_edit_score_refuses_it(server):
+    r = build_reward("clip_i", {"tiny": True})
+    a, b, c = _images(3, seed=11, size=(64, 48))
+    res = r([a, c], ["put picture 1 into picture 2"] * 2, [{}] * 2, ref_images=[(a, b), (b,)])
+    single = r([a, c], ["p"] * 2, [{}] * 2, ref_images=[a, b])
+    against_b = r([a], ["p"], [{}], ref_images=[b]).scores[0]
+    assert single.scores[0] == pytest.approx(1.0, abs=1e-5) and against_b < 1 - 1e-3
+    assert res.scores[0] == pytest.approx(against_b, abs=1e-6)  # the weakest input, not the mean
+    assert res.parts["input1"][0] == pytest.approx(1.0, abs=1e-5) and res.parts["input2"][0] == pytest.approx(against_b)
+    assert res.scores[1] == pytest.approx(single.scores[1]) and math.isnan(res.parts["input2"][1])
+    assert "input1" not in single.parts
+    e = build_reward("edit_score", {"model": MODEL, "base_url": server, "temperature": 0.0})
+    with pytest.raises(RewardError, match="edit_score rates an edit against one original image, and a sample has 2"):
+        e([a], ["p"], [{}], ref_images=[(a, b)])
+    e.close()
+
+
 def test_editing_rewards_are_registered():
     from paco_ds.rewards.registry import REWARDS, reward_class
 

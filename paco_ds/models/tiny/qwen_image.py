@@ -7,6 +7,8 @@ convolutions on one frame), and the tiny Qwen2.5-VL of qwen_vl.py with its proce
 Qwen-Image's own, so the tiny policy's sigma schedule at a given image size is the real one.
 Qwen-Image (text-to-image) uses the same parts, its VL encoder reading text only through the
 processor's tokenizer, as Qwen-Image's checkpoint ships a tokenizer and no processor.
+Qwen-Image-Edit-2509/2511 (multi-image editing) uses them too, its transformer with 2511's
+`zero_cond_t` (the input images' tokens modulated at t = 0).
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ QWEN_IMAGE_SCHEDULER_CONFIG = {
 TINY_VL_MAX_PIXELS = 512 * 512
 
 
-def tiny_qwen_edit_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
-    """transformer, vae, text_encoder (Qwen2.5-VL), processor, scheduler_config."""
+def tiny_qwen_edit_components(spec: TinyModelConfig | None = None, seed: int = 0, zero_cond_t: bool = False) -> dict:
+    """transformer, vae, text_encoder (Qwen2.5-VL), processor, scheduler_config. `zero_cond_t`:
+    Qwen-Image-Edit-2511's transformer option (no weights of its own: same seed, same weights)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
     spec = spec or TinyModelConfig()
@@ -43,7 +46,7 @@ def tiny_qwen_edit_components(spec: TinyModelConfig | None = None, seed: int = 0
         transformer = QwenImageTransformer2DModel(
             patch_size=2, in_channels=4 * z, out_channels=z, num_layers=spec.num_layers + spec.num_single_layers,
             attention_head_dim=head, num_attention_heads=spec.num_attention_heads, joint_attention_dim=text_dim,
-            guidance_embeds=False, axes_dims_rope=rope)
+            guidance_embeds=False, axes_dims_rope=rope, zero_cond_t=zero_cond_t)
         vae = AutoencoderKLQwenImage(
             base_dim=8, z_dim=z, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
             latents_mean=[0.0] * z, latents_std=[1.0] * z)
@@ -59,6 +62,17 @@ def tiny_qwen_edit_pipeline(spec: TinyModelConfig | None = None, seed: int = 0, 
     scheduler = FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config"))
     processor = parts.pop("processor")
     return QwenImageEditPipeline(scheduler=scheduler, tokenizer=processor.tokenizer, processor=processor, **parts)
+
+
+def tiny_qwen_edit_plus_pipeline(spec: TinyModelConfig | None = None, seed: int = 0, parts: dict | None = None):
+    """A diffusers `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509/2511) from the tiny parts (or
+    the given ones): the 2511 transformer (`zero_cond_t`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+
+    parts = dict(parts or tiny_qwen_edit_components(spec, seed, zero_cond_t=True))
+    scheduler = FlowMatchEulerDiscreteScheduler(**parts.pop("scheduler_config"))
+    processor = parts.pop("processor")
+    return QwenImageEditPlusPipeline(scheduler=scheduler, tokenizer=processor.tokenizer, processor=processor, **parts)
 
 
 def tiny_qwen_image_components(spec: TinyModelConfig | None = None, seed: int = 0) -> dict:
