@@ -115,10 +115,11 @@ test-cluster: setup cluster-test-setup
 	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
-# the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece.
+# the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece,
+# two at a time (independent tests: --dist load).
 .PHONY: test-plan
 test-plan: setup
-	$(PY) -m pytest -q -m plan
+	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=8
 
 # The vLLM lane: vLLM's CPU build in its own venv (it pins its own torch and transformers), a tiny
 # judge both engines serve, and tests against a real vLLM server (tests/vllm_lane). PyPI's torchvision is
