@@ -179,3 +179,24 @@ class RunCache:
                                      "stdout": proc.stdout, "stderr": proc.stderr}))
         self._runs[key] = run
         return run
+
+
+# A loss or sampler recipe in 2 short epochs on jpeg compressibility alone (no judge).
+SHORT_RUN = ("train.num_epochs=2", "sample.group_size=4", "test.eval_freq=0", "checkpoint.save_freq=1",
+             "checkpoint.keep_last=2", "logging.num_train_images=0", "reward_servers=null",
+             "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}", "rewards.test=null")
+
+
+def resumes_exactly(tmp_path: Path, config: Path, *sets: str) -> list[dict]:
+    """A 2-epoch run of `config` (SHORT_RUN and `sets`), and a copy resumed from its epoch-1 checkpoint:
+    their metrics are equal. Returns the full run's epoch rows."""
+    full = tmp_path / "full"
+    proc = run_trainer(full, *SHORT_RUN, *sets, config=config)
+    assert proc.returncode == 0, tail(proc)
+    resumed = resume_copy(full, tmp_path / "resumed", "epoch_0001", *SHORT_RUN, *sets, config=config)
+    assert resumed.returncode == 0, tail(resumed)
+    assert "resumed from" in resumed.stdout
+    assert stable(metrics(tmp_path / "resumed")) == stable(metrics(full))
+    rows = [r for r in metrics(full) if "time/epoch" in r]
+    assert [r["epoch"] for r in rows] == [0, 1]  # SHORT_RUN's 2 epochs, each trained
+    return rows

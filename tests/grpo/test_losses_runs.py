@@ -1,4 +1,4 @@
-"""DiffusionNFT, AWM, Diffusion-DPO, GRPO-Guard, Flow-GRPO-Fast windows, MixGRPO-Flash, CPS sampling and a loss from tests/ for real: the
+"""DiffusionNFT, AWM, Diffusion-DPO and a loss from tests/ for real: the
 deepspeed launcher, 2 ZeRO-3 CPU processes, and the run resumed from its epoch-1 checkpoint matches the
 uninterrupted one."""
 import math
@@ -6,33 +6,15 @@ import math
 import pytest
 import yaml
 
-from distributed_runs import REPO, metrics, resume_copy, run_trainer, stable, tail
+from distributed_runs import REPO, resumes_exactly
 
 pytestmark = pytest.mark.runs
-
-SHORT = ("train.num_epochs=2", "sample.group_size=4", "test.eval_freq=0", "checkpoint.save_freq=1",
-         "checkpoint.keep_last=2", "logging.num_train_images=0", "reward_servers=null",
-         "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}", "rewards.test=null")
-
 
 AWM = REPO / "configs/tiny/t2is_awm.yaml"
 
 
-def _resumes_exactly(tmp_path, config, *sets):
-    full = tmp_path / "full"
-    proc = run_trainer(full, *SHORT, *sets, config=config)
-    assert proc.returncode == 0, tail(proc)
-    resumed = resume_copy(full, tmp_path / "resumed", "epoch_0001", *SHORT, *sets, config=config)
-    assert resumed.returncode == 0, tail(resumed)
-    assert "resumed from" in resumed.stdout
-    assert stable(metrics(tmp_path / "resumed")) == stable(metrics(full))
-    rows = [r for r in metrics(full) if "time/epoch" in r]
-    assert [r["epoch"] for r in rows] == [0, 1]  # SHORT's 2 epochs, each trained
-    return rows
-
-
 def test_nft_runs_without_sde_log_probs_and_resumes_exactly(tmp_path):
-    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_nft.yaml", "train.timesteps=[1, 4]")
+    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_nft.yaml", "train.timesteps=[1, 4]")
     for r in rows:
         assert r["train/sde_logprob_rows"] == 0  # no SDE log-prob in the rollout nor in training
         assert r["train/forwards_per_step"] == 2.0  # old (no grad) + current (grad); beta = 0: no ref
@@ -41,46 +23,9 @@ def test_nft_runs_without_sde_log_probs_and_resumes_exactly(tmp_path):
     assert rows[0]["train/nft_old_decay"] == pytest.approx(0.001)  # 1 optimizer step per epoch
 
 
-def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(tmp_path):
-    # The rollout switches ride along: the ODE tail after the window's range, [3, 6), in 2 AB2 steps,
-    # and each group's steps before its window (sample.same_latent) walked once per rank.
-    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_guard.yaml",
-                            "sample.sde_window={size: 2, range: [0, 3], per: group}",
-                            "sample.ode_solver=ab2", "sample.ode_steps=2")
-    for r in rows:
-        assert r["train/ratio_first"] == 1.0  # the normalised ratio of an unchanged policy
-        assert r["sample/transformer_calls"] <= 8 * 5  # 8 samples x 5 steps (6 without the switches)
-        # per rank: 4 samples x 2 window steps in the rollout + 4 x 2 recomputed in training
-        assert r["train/sde_logprob_rows"] == 16
-        assert r["train/micro_steps"] == 8
-        for t in (0, 1):
-            for k in ("raw_mean", "raw_std", "norm_mean", "norm_std"):
-                assert f"train/guard/window{t}/logratio_{k}" in r
-
-
-def test_cps_sampling_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
-    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_cps.yaml")
-    for r in rows:
-        assert r["train/ratio_first"] == 1.0  # CPS's stored log-prob, recomputed in training: ratio 1
-        # per rank: 4 samples x 6 noisy steps in the rollout + the same 24 recomputed in training
-        assert r["train/sde_logprob_rows"] == 48 and r["train/micro_steps"] == 24
-    assert rows[1]["train/grad_norm"] > 0
-
-
-def test_mixgrpo_flash_slides_its_window_and_resumes_exactly(tmp_path):
-    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_mixgrpo_flash.yaml")
-    assert [r["sample/sde_window_start"] for r in rows] == [0.0, 2.0]  # 2 steps further each epoch
-    for r in rows:
-        assert r["train/ratio_first"] == 1.0
-        assert r["train/micro_steps"] == 8  # per rank: 4 samples x the window's 2 steps
-    # per sample: epoch 0 walks steps 0, 1 and one AB2 step over 2-6 (3 calls); epoch 1 one step over
-    # 0-2, then 2, 3, and one over 4-6 (4 calls, the first shared by a group's same-latent samples)
-    assert rows[0]["sample/transformer_calls"] < rows[1]["sample/transformer_calls"] <= 8 * 4
-
-
 def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
     # The recipe with the EMA anchor (its weights live in the checkpoint): 1 optimizer step per epoch.
-    rows = _resumes_exactly(tmp_path, AWM, "train.awm.ema_beta=1.0")
+    rows = resumes_exactly(tmp_path, AWM, "train.awm.ema_beta=1.0")
     for r in rows:
         assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
         # per rank: 4 samples x 3 levels, each the anchor's forward (no grad) + the current one
@@ -95,7 +40,7 @@ def test_awm_trains_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
 
 def test_a_loss_that_lives_in_tests_only_trains_from_its_recipe_and_resumes_exactly(tmp_path):
     # tests/grpo/reinforce_loss.py: the loss and its section, one file, no line in paco_ds
-    rows = _resumes_exactly(tmp_path, REPO / "tests/grpo/reinforce.yaml")
+    rows = resumes_exactly(tmp_path, REPO / "tests/grpo/reinforce.yaml")
     for r in rows:
         assert r["train/ratio_first"] == 1.0  # an unchanged policy's importance ratio
         assert r["train/forwards_per_step"] == 1.0
@@ -106,10 +51,10 @@ def test_a_loss_that_lives_in_tests_only_trains_from_its_recipe_and_resumes_exac
 
 
 def test_dpo_pairs_within_micro_batches_on_two_zero3_ranks_and_resumes_exactly(tmp_path):
-    # SHORT's 4 images per prompt: the plan rounds the prompts up to 4 (16 images) so that a rank's 8
+    # SHORT_RUN's 4 images per prompt: the plan rounds the prompts up to 4 (16 images) so that a rank's 8
     # fill one micro-batch of train.batch_size 8; 8 images of 4 prompts hold 2 of some prompt, so
     # every micro-step has 1 to 4 pairs (best against worst of each prompt present twice or more).
-    rows = _resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dpo.yaml")
+    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dpo.yaml")
     for r in rows:
         assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
         # per rank: 1 micro-batch x 2 trained noise levels, each the reference (no grad) + the policy
