@@ -153,3 +153,5 @@ def test_native_on_a_family_that_calls_sdpa_itself_is_what_it_runs():
     cfg = load("configs/tiny/sd3_geneval.yaml", ["model.attention_backend=native"])
     policy = SD3Policy.load(cfg.model, torch.device("cpu"))
     set_attention_backend(policy.transformer, "native")  # no processor dispatches; nothing to route, no error
+    processors = {type(m.processor).__name__ for m in policy.transformer.modules() if hasattr(m, "processor")}
+    assert processors and all("AttnProcessor2_0" in p for p in processors)  # SD3's own, calling SDPA
