@@ -54,6 +54,6 @@ setup(
         "serve": ["vllm>=0.8"],
         "flash": ["flash-attn>=2.6.3"],  # model.attention_backend: flash (diffusers requires 2.6.3)
         "wandb": ["wandb"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja", "psutil>=5.9"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja", "psutil>=5.9", "wandb"],
     },
 )
