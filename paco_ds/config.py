@@ -354,7 +354,9 @@ class WandbConfig(Section):
     project: str = "paco_ds"
     entity: str | None = None  # a W&B team or user; None: the account's default
     name: str | None = None  # the W&B run's display name; None: run_name
-    mode: Literal["online", "offline", "disabled"] = "online"  # offline: `wandb sync <dir>/wandb/offline-run-*` later
+    # offline: written to disk, `wandb sync <dir>/wandb/offline-run-*` later; unset: W&B's choice
+    # (WANDB_MODE, as clusters without network often set it, else online)
+    mode: Literal["online", "offline", "disabled"] | None = None
     dir: str | None = None  # W&B's files go to <dir>/wandb/; None: the run directory
     # A resume from a checkpoint behind W&B's last step: rewind the W&B run to the checkpoint (W&B's
     # `resume_from`, which W&B enables per account) instead of keeping the rows W&B already holds.

@@ -150,7 +150,7 @@ class MetricsLogger:
         if self.wandb is not None and epoch >= self.wandb_from:
             import wandb
 
-            self.wandb.log({name: wandb.Image(image)}, step=epoch)
+            self.wandb.log({f"images/{name}": wandb.Image(image)}, step=epoch)  # W&B's "images" section
         return path
 
     def close(self, error: BaseException | None = None) -> None:

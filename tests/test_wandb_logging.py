@@ -12,11 +12,13 @@ import pytest
 from PIL import Image
 
 from conftest import TINY, one_line_error, run_cli
+from distributed_runs import wandb_env
 from paco_ds.config import WandbConfig
 from paco_ds.errors import ConfigError
 from paco_ds.metrics import MetricsLogger, check_wandb
 from paco_ds.stopping import Preempted
-from wandb_records import exit_code, history, offline_runs, run_record, wandb_processes, was_marked_preempting
+from wandb_records import (exit_code, history, numbers, offline_runs, run_record, split_images, wandb_processes,
+                           was_marked_preempting)
 
 pytestmark = pytest.mark.fast
 
@@ -24,33 +26,30 @@ OFFLINE = WandbConfig(project="paco_ds_tests", mode="offline")
 
 
 @pytest.fixture
-def wandb_env(tmp_path, monkeypatch):
-    """W&B's own folders in tmp_path, offline whatever the recipe says; after the test no W&B process
-    started from here is left (wandb-core and its monitor inherit this marker)."""
-    home = tmp_path / "wandb_home"
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(home / var.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    yield home
-    left = wandb_processes(("WANDB_CONFIG_DIR", str(home / "wandb_config_dir")))
-    assert not left, f"W&B processes outlived the logger: {[p.cmdline() for p in left]}"
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B offline, its own folders in tmp_path; after the test no W&B process started from here is
+    left (wandb-core and its monitor inherit WANDB_CONFIG_DIR, which marks them)."""
+    env = wandb_env(tmp_path / "wandb_home")
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    yield
+    left = wandb_processes(("WANDB_CONFIG_DIR", env["WANDB_CONFIG_DIR"]))
+    assert not left, f"W&B processes outlived the logger: {[p.cmdline()[:2] for p in left]}"
 
 
 def _rows(run_dir):
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-def _scalars(row: dict) -> dict:
-    """What TensorBoard and W&B get of a metrics.jsonl row: its numbers (None is a non-finite value)."""
-    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 def _grid(seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (12, 20, 3), dtype=np.uint8))
 
 
-def test_wandb_gets_the_scalars_of_metrics_jsonl_and_the_grids_at_their_steps(tmp_path, wandb_env):
+@pytest.mark.parametrize("ending, status", [(None, 0), (SystemExit(130), 130), (RuntimeError("a bug"), 1)],
+                         ids=["finished", "sigint", "error"])
+def test_wandb_gets_the_scalars_of_metrics_jsonl_and_the_grids_at_their_steps(tmp_path, offline_wandb, ending, status):
+    """Whatever ended the run (a SIGINT is SystemExit(130) in a rank, paco_ds/stopping.py), the W&B run
+    is finished with the process's status and its service stopped (the fixture checks)."""
     run_dir = tmp_path / "run"
     logger = MetricsLogger(run_dir, enabled=True, tensorboard=False)
     logger.open_wandb(OFFLINE, "tiny", {"seed": 1})
@@ -61,25 +60,25 @@ def test_wandb_gets_the_scalars_of_metrics_jsonl_and_the_grids_at_their_steps(tm
         logger.log({"epoch": epoch, "train/loss": 1.0 / (epoch + 1), "reward/mean": float("nan") if epoch == 2 else 0.5,
                     "skipped": True, "note": "text"}, step=epoch)
     run_id = logger.wandb_run_id
-    logger.close()
+    logger.close(ending)
 
     [segment] = offline_runs(run_dir)  # W&B's files in the run directory by default
     assert run_record(segment).run_id == run_id and logger.wandb_run_id is None  # closed
     assert run_record(segment).display_name == "tiny" and run_record(segment).project == "paco_ds_tests"
-    rows = history(segment)
-    image = {k.split("/", 1)[1]: v for k, v in rows[1].items() if k.startswith("train_samples/")}
-    scalars = {step: {k: v for k, v in row.items() if not k.startswith("train_samples/")} for step, row in rows.items()}
-    assert scalars == {row["epoch"]: _scalars(row) for row in _rows(run_dir)}
-    assert rows[2]["train/loss"] == pytest.approx(1 / 3) and "reward/mean" not in rows[2]  # NaN: not a point
+    scalars, images = split_images(history(segment))
+    assert scalars == {row["epoch"]: numbers(row) for row in _rows(run_dir)}
+    assert scalars[2]["train/loss"] == pytest.approx(1 / 3) and "reward/mean" not in scalars[2]  # NaN: no point
+    assert list(images) == [1] and list(images[1]) == ["images/train_samples"]
+    image = images[1]["images/train_samples"]
     assert image["_type"] == "image-file" and (image["width"], image["height"]) == (20, 12)
     sent = Image.open(segment.parent / "files" / image["path"])
     assert np.array_equal(np.asarray(sent.convert("RGB")), np.asarray(grid))
     assert (run_dir / "images" / "train_samples_epoch0001.png").is_file()
-    assert exit_code(segment) == 0
+    assert exit_code(segment) == status and not was_marked_preempting(segment)
 
 
 @pytest.mark.parametrize("rewind", [False, True], ids=["keep", "rewind"])
-def test_a_resume_continues_the_same_wandb_run(tmp_path, wandb_env, rewind):
+def test_a_resume_continues_the_same_wandb_run(tmp_path, offline_wandb, rewind):
     """A first pass logs epochs 0-3 and is preempted (exit 75); the run resumes from its epoch-2
     checkpoint and runs epochs 2-4 again, as an exact resume does. The resumed segment is the same W&B
     run. Kept (the default): W&B's epochs 2-3 are the first pass's and the segment starts at 4, so no
@@ -114,7 +113,7 @@ def test_a_resume_continues_the_same_wandb_run(tmp_path, wandb_env, rewind):
         assert run_record(after).resume
         assert sorted(history(after)) == [4]
         merged = {**history(before), **history(after)}
-    assert merged == {row["epoch"]: _scalars(row) for row in _rows(run_dir)}
+    assert merged == {row["epoch"]: numbers(row) for row in _rows(run_dir)}
 
 
 def test_the_recipe_section_and_its_old_boolean_form():
@@ -122,7 +121,7 @@ def test_the_recipe_section_and_its_old_boolean_form():
     from paco_ds.sft.config import SFTConfig
 
     on = load_config(TINY, ["logging.wandb=true"]).logging.wandb
-    assert (on.project, on.mode, on.dir, on.name) == ("paco_ds", "online", None, None)
+    assert (on.project, on.mode, on.dir, on.name) == ("paco_ds", None, None, None)
     assert load_config(TINY, ["logging.wandb=false"]).logging.wandb is None
     assert load_config(TINY, []).logging.wandb is None
     section = load_config(TINY, ["logging.wandb.mode=offline", "logging.wandb.entity=lab"]).logging.wandb

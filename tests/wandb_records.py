@@ -70,18 +70,33 @@ def run_record(path: Path):
 
 
 def history(path: Path) -> dict[int, dict]:
-    """{step: {key: value}} of the history rows (W&B's own `_step`, `_runtime`, `_timestamp` left out;
-    a nested value such as an image's fields under 'key/field')."""
+    """{step: {key: value}} of the history rows, W&B's own `_step`, `_runtime` and `_timestamp` left
+    out; a media value (an image) is the dict of its fields ({"_type": "image-file", "path": ...})."""
     rows: dict[int, dict] = {}
     for r in records(path):
         if r.WhichOneof("record_type") != "history":
             continue
         row = rows.setdefault(r.history.step.num, {})
         for item in r.history.item:
-            key = item.key or "/".join(item.nested_key)
-            if not key.startswith("_"):
-                row[key] = json.loads(item.value_json)
+            path = [item.key] if item.key else list(item.nested_key)  # wandb 0.31 writes nested_key only
+            value = json.loads(item.value_json)
+            if len(path) > 1:
+                row.setdefault(path[0], {})["/".join(path[1:])] = value
+            elif not path[0].startswith("_"):
+                row[path[0]] = value
     return rows
+
+
+def numbers(row: dict) -> dict:
+    """What TensorBoard and W&B get of a metrics.jsonl row: its numbers (None is a non-finite value)."""
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def split_images(rows: dict[int, dict]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """History rows as ({step: scalars}, {step: {key: image fields}}), steps without one left out."""
+    scalars = {s: {k: v for k, v in r.items() if not isinstance(v, dict)} for s, r in rows.items()}
+    images = {s: {k: v for k, v in r.items() if isinstance(v, dict)} for s, r in rows.items()}
+    return {s: r for s, r in scalars.items() if r}, {s: r for s, r in images.items() if r}
 
 
 def exit_code(path: Path) -> int | None:
