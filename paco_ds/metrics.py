@@ -15,10 +15,15 @@ from pathlib import Path
 
 from PIL import Image
 
+from paco_ds import processes
 from paco_ds.errors import ConfigError, DataError, UserError
 from paco_ds.storage import writing
 
 log = logging.getLogger(__name__)
+
+# W&B's own processes: its service (started by wandb.init, a child of this process) and the
+# service's system monitor.
+WANDB_SERVICES = ("wandb-core", "wandb-symon")
 
 
 def check_wandb(section, key: str = "logging.wandb") -> None:
@@ -79,6 +84,9 @@ class MetricsLogger:
         try:
             self.wandb = wandb.init(**args)
         except wandb.errors.Error as err:
+            services = processes.descendants(WANDB_SERVICES)
+            wandb.teardown(exit_code=ConfigError.exit_code)  # the service it started goes with the run
+            processes.stop_processes(services, timeout=10.0)
             raise ConfigError(f"config key 'logging.wandb': W&B could not start the run "
                               f"({' '.join(str(err).split())})") from None
         held = self._rerun_last if run_id and not rewind else -1  # a new W&B run holds nothing yet
@@ -167,9 +175,14 @@ class MetricsLogger:
 
             run, self.wandb = self.wandb, None
             code = exit_code_of(error)
+            services = processes.descendants(WANDB_SERVICES)
             try:
                 if code == PREEMPTED_EXIT:
                     run.mark_preempting()
                 run.finish(exit_code=code)
             finally:
                 wandb.teardown(exit_code=code)
+                # wandb-core has ended; its system monitor ends on seeing that, a moment later
+                left = processes.stop_processes(services, timeout=10.0)
+                if left:
+                    log.warning("W&B's service processes %s were still running 10 s after the run finished; killed", left)

@@ -116,6 +116,20 @@ def test_a_resume_continues_the_same_wandb_run(tmp_path, offline_wandb, rewind):
     assert merged == {row["epoch"]: numbers(row) for row in _rows(run_dir)}
 
 
+def test_online_without_a_login_is_one_line_naming_the_section(tmp_path, offline_wandb, monkeypatch):
+    """mode: online, and no API key anywhere (env, netrc, W&B's settings): W&B refuses before any
+    network, and the run stops with its message on one line (exit 2 through the entry point)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    logger = MetricsLogger(tmp_path / "run", enabled=True, tensorboard=False)
+    with pytest.raises(ConfigError, match=r"^config key 'logging.wandb': W&B could not start the run \(No API key "
+                                          r"configured\. Use `wandb login` to log in\.\)$"):
+        logger.open_wandb(WandbConfig(mode="online"), "tiny", {})
+    assert logger.wandb is None
+    logger.close()
+
+
 def test_the_recipe_section_and_its_old_boolean_form():
     from paco_ds.grpo.plan import load_config
     from paco_ds.sft.config import SFTConfig
