@@ -12,12 +12,16 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from paco_ds import processes
 from paco_ds.errors import ConfigError, DataError, UserError
 from paco_ds.storage import writing
+
+if TYPE_CHECKING:
+    from paco_ds.config import WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ log = logging.getLogger(__name__)
 WANDB_SERVICES = ("wandb-core", "wandb-symon")
 
 
-def check_wandb(section, key: str = "logging.wandb") -> None:
+def check_wandb(section: WandbConfig | None, key: str = "logging.wandb") -> None:
     """Before a run starts: a recipe that asks for W&B has the wandb package (else W&B would be
     missing from the run's start to its end, unseen until someone looks for it)."""
     if section is not None and section.mode != "disabled" and importlib.util.find_spec("wandb") is None:
@@ -59,7 +63,7 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(str(self.run_dir / "tb"))
 
-    def open_wandb(self, section, run_name: str, config: dict, run_id: str | None = None,
+    def open_wandb(self, section: WandbConfig | None, run_name: str, config: dict, run_id: str | None = None,
                    resume_at: int | None = None) -> None:
         """W&B beside TensorBoard (`section`: the recipe's logging.wandb): a new W&B run, or, on a resume
         at step `resume_at` (after `truncate_after`), the checkpoint's W&B run `run_id` continued.
@@ -180,9 +184,11 @@ class MetricsLogger:
                 if code == PREEMPTED_EXIT:
                     run.mark_preempting()
                 run.finish(exit_code=code)
+            except Exception as err:  # noqa: BLE001 - W&B's own failure must not hide how the run ended
+                log.warning("W&B could not finish run %s: %s", run.id, err)
             finally:
                 wandb.teardown(exit_code=code)
                 # wandb-core has ended; its system monitor ends on seeing that, a moment later
                 left = processes.stop_processes(services, timeout=10.0)
                 if left:
-                    log.warning("W&B's service processes %s were still running 10 s after the run finished; killed", left)
+                    log.warning("W&B's processes %s still ran 10 s after the run finished; killed them", left)

@@ -13,6 +13,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from paco_ds.metrics import WANDB_SERVICES
+
 BLOCK = 32768
 HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -116,7 +118,8 @@ def wandb_processes(marker: tuple[str, str] | None = None) -> list:
     found = []
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
-            if not any("wandb-core" in part or "wandb-symon" in part for part in (p.info["cmdline"] or [p.info["name"]])):
+            program = (p.info["cmdline"] or [p.info["name"]])[0]
+            if not any(name in program for name in WANDB_SERVICES):
                 continue
             if marker is None or p.environ().get(marker[0]) == marker[1]:
                 found.append(p)
