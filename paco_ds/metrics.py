@@ -47,6 +47,14 @@ def exit_code_of(error: BaseException | None) -> int:
     return error.exit_code if isinstance(error, UserError) else 1
 
 
+def own_wandb_run(meta: dict, checkpoint: Path, checkpoints: Path) -> str | None:
+    """The W&B run a resume continues: the checkpoint's, when the checkpoint is one of this run
+    directory's own (`checkpoints`); a checkpoint of another directory starts another run, with its
+    own metrics.jsonl, TensorBoard events and W&B run."""
+    same = Path(checkpoint).resolve().parent == Path(checkpoints).resolve()
+    return meta.get("wandb_run_id") if same else None
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled

@@ -44,7 +44,7 @@ from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
 from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import make_grid, to_pil
-from paco_ds.metrics import MetricsLogger
+from paco_ds.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
 from paco_ds.sampling.trajectory import TrainingBatch, make_generator
@@ -365,7 +365,7 @@ class GRPOTrainer:
             raise ConfigError(f"--resume {path}: the checkpoint lacks {', '.join(missing)}, which this run needs "
                               "to continue it exactly; resume with the recipe that wrote it, or start a new run")
         self.epoch, self.global_step = state["epoch"], state["global_step"]
-        self.wandb_run_id = meta.get("wandb_run_id")
+        self.wandb_run_id = own_wandb_run(meta, path, self.ckpt.root)
         self.guard.streak = state["nonfinite_streak"]
         self.tracker.load_state_dict(state["tracker"])
         if self.ema is not None:

@@ -34,7 +34,7 @@ from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_mean, b
                                  shutdown_distributed)
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
 from paco_ds.errors import DataError, TrainingDiverged
-from paco_ds.metrics import MetricsLogger
+from paco_ds.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.sft import data as sft_data
 from paco_ds.sft.config import SFTConfig
@@ -318,7 +318,7 @@ class SFTTrainer:
         state, meta = self.ckpt.load(self.engine, path)
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step, self.epoch_losses = state["global_step"], state["epoch_losses"]
-        self.wandb_run_id = meta.get("wandb_run_id")
+        self.wandb_run_id = own_wandb_run(meta, path, self.ckpt.root)
         if self.dist.is_main:
             print(f"resumed from {path} at optimizer step {self.global_step} (epoch {self.epoch + 1}, "
                   f"step {self.step_in_epoch} of {self.steps_per_epoch})", flush=True)
