@@ -55,6 +55,6 @@ setup(
         "serve": ["vllm>=0.8"],
         "flash": ["flash-attn>=2.6.3"],  # model.attention_backend: flash (diffusers requires 2.6.3)
         "wandb": ["wandb"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ninja", "wandb"],
     },
 )

@@ -360,11 +360,42 @@ class RolloutDeepSpeedSection(DeepSpeedSection):
     rollout_gather: Literal["once", "per_step"] = "once"
 
 
+class WandbConfig(Section):
+    """Weights & Biases beside TensorBoard: the same scalars and sample grids at the same steps, from
+    rank 0 only, the run continued by `--resume` (docs/recipes.md#weights--biases). Needs `pip install wandb`."""
+    project: str = "paco_ds"
+    entity: str | None = None  # a W&B team or user; None: the account's default
+    name: str | None = None  # the W&B run's display name; None: run_name
+    # offline: written to disk, `wandb sync <dir>/wandb/offline-run-*` later; unset: W&B's choice
+    # (WANDB_MODE, as clusters without network often set it, else online)
+    mode: Literal["online", "offline", "disabled"] | None = None
+    dir: str | None = None  # W&B's files go to <dir>/wandb/; None: the run directory
+    # A resume from a checkpoint behind W&B's last step: rewind the W&B run to the checkpoint (W&B's
+    # `resume_from`, which W&B enables per account) instead of keeping the rows W&B already holds.
+    rewind: bool = False
+
+
+def wandb_boolean_form(data: Any, project: str) -> Any:
+    """A logging section's old form, `wandb: true|false` with `project` beside it, as the W&B section
+    (true: its defaults and that project; false: no W&B)."""
+    if isinstance(data, dict) and isinstance(data.get("wandb"), bool):
+        data = dict(data)
+        on, name = data.pop("wandb"), data.pop("project", project)
+        data["wandb"] = {"project": name} if on else None
+    elif isinstance(data, dict) and "project" in data:
+        raise ValueError("'logging.project' is 'logging.wandb.project' now")
+    return data
+
+
 class LoggingConfig(Section):
     tensorboard: bool = True
-    wandb: bool = False
-    project: str = "paco_ds"
+    wandb: WandbConfig | None = None  # off unless given (`--set logging.wandb.mode=online` turns it on)
     num_train_images: int = Field(16, ge=0)  # sample images kept per epoch for the report
+
+    @model_validator(mode="before")
+    @classmethod
+    def _boolean_form(cls, data: Any) -> Any:
+        return wandb_boolean_form(data, WandbConfig.model_fields["project"].default)
 
 
 class CheckpointConfig(Section):

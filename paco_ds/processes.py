@@ -109,3 +109,28 @@ def stop_groups(leaders: Iterable[int], sig: int = signal.SIGTERM, timeout: floa
     for leader in killed:
         signal_group(leader, signal.SIGKILL)
     return killed
+
+
+def descendants(names: tuple[str, ...]) -> list[tuple[int, float | None]]:
+    """This process's descendants whose program (the first word of the command line, its file name)
+    is one of `names`, as (pid, start time)."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error, IndexError):
+            if os.path.basename(proc.cmdline()[0]) in names:
+                out.append((proc.pid, start_time(proc.pid)))
+    return out
+
+
+def stop_processes(procs: Iterable[tuple[int, float | None]], timeout: float) -> list[int]:
+    """Wait up to `timeout` s for each (pid, start time) to end, then SIGKILL the ones still
+    running; returns their pids."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    while any(alive(*p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid, started in procs if alive(pid, started)]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return left

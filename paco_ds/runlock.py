@@ -131,5 +131,7 @@ def fit_in_run_dir(run_dir: Path, is_main: bool, make_trainer, resume, *around: 
         trainer = make_trainer()
         try:
             trainer.fit(resume)
-        finally:
-            trainer.close()
+        except BaseException as err:  # a stop, a preemption, an error: the logs say how the run ended
+            trainer.close(err)
+            raise
+        trainer.close()

@@ -26,8 +26,16 @@ def free_port() -> int:
 def cpu_env(**extra) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env.update(wandb_env(REPO / "build" / "wandb"))
     env.update(extra)
     return env
+
+
+def wandb_env(home: Path) -> dict:
+    """W&B for a run that logs to it (logging.wandb): offline whatever the recipe says, quiet, and
+    W&B's own folders (settings, cache, its service's logs) under `home`, not the user's."""
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(home / "config"),
+            "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data")}
 
 
 def launch_cmd(script: str, run_dir: Path, *sets: str, nproc: int = 2, config: Path = TINY,
@@ -40,9 +48,10 @@ def launch_cmd(script: str, run_dir: Path, *sets: str, nproc: int = 2, config: P
 
 
 def run_trainer(run_dir: Path, *sets: str, nproc: int = 2, script: str = "launch/train.py",
-                extra: tuple[str, ...] = (), timeout: float = 600, config: Path = TINY) -> subprocess.CompletedProcess:
+                extra: tuple[str, ...] = (), timeout: float = 600, config: Path = TINY,
+                env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(launch_cmd(script, run_dir, *sets, nproc=nproc, extra=extra, config=config), cwd=REPO,
-                          env=cpu_env(),
+                          env=cpu_env(**(env or {})),
                           capture_output=True, text=True, timeout=timeout)
     return proc
 

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,29 @@ def test_a_step_of_the_wall_clock_does_not_change_a_process_identity(monkeypatch
     monkeypatch.setattr(psutil.Process, "create_time", lambda self: create_time(self) + 3600.0)
     assert processes.start_time(me) == started and processes.alive(me, started)
     assert processes.alive(me, ticks) and not processes.alive(me, str(int(ticks) - 1))  # earlier state files
+
+
+def test_descendants_by_program_name_are_waited_for_then_killed():
+    """How a run stops W&B's service processes (paco_ds/metrics.py): found among this process's
+    descendants by program name, a grandchild too; one that has ended is not killed, one still
+    running after the wait is."""
+    parent = _leader(STUBBORN)  # a python whose child, another python, sleeps
+    quick = subprocess.Popen(["sleep", "0.2"])
+    try:
+        names = ("python", "python3", "sleep", Path(sys.executable).name)
+        mine = {parent.pid, quick.pid, *processes.children(parent.pid)}  # not another test's helpers
+        deadline = time.monotonic() + 30  # the grandchild's command line shows once it has exec'd
+        while len(found := [p for p in processes.descendants(names) if p[0] in mine]) < 3:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        pids = {pid for pid, _ in found}
+        assert {parent.pid, quick.pid} <= pids  # and the grandchild
+        quick.wait()
+        left = processes.stop_processes([p for p in found if p[0] != parent.pid], timeout=1.0)
+        assert quick.pid not in left and len(left) == 1  # the sleeping grandchild, killed
+        while processes.alive(left[0]):  # SIGKILL lands at once; the deadline turns a miss into a failure
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        processes.stop_groups([parent.pid], timeout=1.0)
+        parent.wait()

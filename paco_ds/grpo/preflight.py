@@ -24,6 +24,7 @@ from pathlib import Path
 
 from paco_ds.config import Config
 from paco_ds.errors import ConfigError, DataError
+from paco_ds.metrics import check_wandb
 
 
 def check_sizes(cfg: Config, items: list, key: str) -> None:
@@ -211,3 +212,4 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_sequence_length(cfg)
     check_lora_targets(cfg)
     check_writable(cfg.run_dir, "output_dir")
+    check_wandb(cfg.logging.wandb)  # W&B asked for and not installed: say so now, not by its absence

@@ -44,7 +44,7 @@ from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
 from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import make_grid, to_pil
-from paco_ds.metrics import MetricsLogger
+from paco_ds.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
 from paco_ds.sampling.trajectory import TrainingBatch, make_generator
@@ -88,6 +88,7 @@ class GRPOTrainer:
         self.judges = ColocatedJudges.for_run(cfg, self.run_dir, dist.local_rank, in_flight=lambda: (
             self.train_rewards.in_flight() + self.eval_rewards.in_flight()))
         self.logger: MetricsLogger | None = None
+        self.wandb_run_id: str | None = None  # the resumed checkpoint's W&B run, continued by this one
         self.epoch = 0
         self.global_step = 0
         self.guard = NonfiniteGuard(cfg.train.max_consecutive_nonfinite)  # non-finite losses, rewards, grad norms
@@ -107,10 +108,12 @@ class GRPOTrainer:
 
     def _open_logs(self, resumed: bool) -> None:
         cfg = self.cfg
-        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
-                                    cfg.logging.project, cfg.run_name, cfg.model_dump(mode="json"), resume=resumed)
+        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard)
         if resumed:
             self.logger.truncate_after(self.epoch)
+        self.logger.open_wandb(cfg.logging.wandb, cfg.run_name, cfg.model_dump(mode="json"), self.wandb_run_id,
+                               resume_at=self.epoch if resumed else None)
+        self.wandb_run_id = self.logger.wandb_run_id or self.wandb_run_id  # kept by a run without W&B too
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(recipe_to_yaml(cfg))
             stopping.clear_preempted(self.run_dir)  # training again: an earlier preemption is not this run's status
@@ -339,7 +342,7 @@ class GRPOTrainer:
         from paco_ds.grpo.preflight import resume_settings
 
         return {"epoch": self.epoch, "global_step": self.global_step, "run_name": self.cfg.run_name,
-                "recipe": resume_settings(self.cfg)}
+                "recipe": resume_settings(self.cfg), "wandb_run_id": self.wandb_run_id}
 
     def save(self) -> Path:
         path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), self._meta())
@@ -366,6 +369,7 @@ class GRPOTrainer:
             raise ConfigError(f"--resume {path}: the checkpoint lacks {', '.join(missing)}, which this run needs "
                               "to continue it exactly; resume with the recipe that wrote it, or start a new run")
         self.epoch, self.global_step = state["epoch"], state["global_step"]
+        self.wandb_run_id = own_wandb_run(meta, path, self.ckpt.root)
         self.guard.streak = state["nonfinite_streak"]
         self.tracker.load_state_dict(state["tracker"])
         if self.ema is not None:
@@ -381,11 +385,12 @@ class GRPOTrainer:
         if self.dist.is_main:
             print(epoch_line(m, self.loss.headline), flush=True)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """After the fit, however it ended (`error`: what ended it; None when it finished)."""
         self.train_rewards.close()
         self.eval_rewards.close()
         if self.logger is not None:
-            self.logger.close()
+            self.logger.close(error)
 
 
 def _due(epoch: int, freq: int) -> bool:

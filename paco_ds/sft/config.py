@@ -7,11 +7,11 @@ Qwen2.5-VL-7B-Instruct).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section
+from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section, WandbConfig, wandb_boolean_form
 from paco_ds.recipe import load_recipe
 
 QWEN_2_5_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -116,10 +116,18 @@ class SFTCheckpointConfig(Section):
     keep_last: int = Field(3, ge=1)
 
 
+class SFTWandbConfig(WandbConfig):
+    project: str = "paco_reward"
+
+
 class SFTLoggingConfig(Section):
     tensorboard: bool = True
-    wandb: bool = False
-    project: str = "paco_reward"
+    wandb: SFTWandbConfig | None = None  # as GRPO's logging.wandb (paco_ds/config.py)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _boolean_form(cls, data: Any) -> Any:
+        return wandb_boolean_form(data, SFTWandbConfig.model_fields["project"].default)
 
 
 class SFTConfig(Recipe):

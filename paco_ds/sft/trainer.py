@@ -34,7 +34,7 @@ from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_mean, b
                                  shutdown_distributed)
 from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
 from paco_ds.errors import DataError, TrainingDiverged
-from paco_ds.metrics import MetricsLogger
+from paco_ds.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe import recipe_to_yaml
 from paco_ds.sft import data as sft_data
 from paco_ds.sft.config import SFTConfig
@@ -128,6 +128,7 @@ class SFTTrainer:
                                     weight_decay=t.weight_decay, lr_scheduler=self._scheduler)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.logger: MetricsLogger | None = None
+        self.wandb_run_id: str | None = None  # the resumed checkpoint's W&B run, continued by this one
         self.epoch = 0  # completed epochs
         self.step_in_epoch = 0  # optimizer steps done in the current epoch
         self.global_step = 0
@@ -147,10 +148,12 @@ class SFTTrainer:
         cfg = self.cfg
         if resume:
             self.load(self.ckpt.resolve(resume))
-        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard, cfg.logging.wandb,
-                                    cfg.logging.project, cfg.run_name, cfg.model_dump(mode="json"), resume=bool(resume))
+        self.logger = MetricsLogger(self.run_dir, self.dist.is_main, cfg.logging.tensorboard)
         if resume:
             self.logger.truncate_after(self.global_step + 1, key="step")
+        self.logger.open_wandb(cfg.logging.wandb, cfg.run_name, cfg.model_dump(mode="json"), self.wandb_run_id,
+                               resume_at=self.global_step + 1 if resume else None)
+        self.wandb_run_id = self.logger.wandb_run_id or self.wandb_run_id  # kept by a run without W&B too
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(recipe_to_yaml(cfg))
             rows = partition_report(self.module)
@@ -300,7 +303,7 @@ class SFTTrainer:
         state = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                  "epoch_losses": list(self.epoch_losses)}
         meta = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-                "run_name": self.cfg.run_name, "recipe": resume_settings(self.cfg)}
+                "run_name": self.cfg.run_name, "recipe": resume_settings(self.cfg), "wandb_run_id": self.wandb_run_id}
         adapter = self.adapter_state()
         path = self.ckpt.save(self.engine, f"step_{self.global_step:07d}", state, meta,
                               write_extra=lambda d: save_adapter(self.peft, adapter, d / "adapter", self.processor))
@@ -315,13 +318,15 @@ class SFTTrainer:
         state, meta = self.ckpt.load(self.engine, path)
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step, self.epoch_losses = state["global_step"], state["epoch_losses"]
+        self.wandb_run_id = own_wandb_run(meta, path, self.ckpt.root)
         if self.dist.is_main:
             print(f"resumed from {path} at optimizer step {self.global_step} (epoch {self.epoch + 1}, "
                   f"step {self.step_in_epoch} of {self.steps_per_epoch})", flush=True)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """After the fit, however it ended (`error`: what ended it; None when it finished)."""
         if self.logger is not None:
-            self.logger.close()
+            self.logger.close(error)
 
 
 # What a checkpoint's tensors are shaped by: resuming with another value cannot load them.
@@ -364,6 +369,9 @@ def run(cfg: SFTConfig, resume: str | None = None) -> None:
     # As GRPO runs: a signal or the launcher's end stops this rank (SFT saves no preemption
     # checkpoint: it resumes from its last periodic one), and a rank whose peer failed waits for
     # the launcher so that the run's status is the failed rank's (paco_ds.distributed.exit_after_peer).
+    from paco_ds.metrics import check_wandb
+
+    check_wandb(cfg.logging.wandb)  # before anything starts
     stopping.install(save_first=False)
     dist = setup_distributed()
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)

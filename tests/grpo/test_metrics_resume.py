@@ -39,7 +39,7 @@ def test_after_a_resume_tensorboard_has_one_point_per_epoch(tmp_path):
     for epoch in range(4):
         first.log({"epoch": epoch, "loss": float(epoch)}, step=epoch)
     first.close()
-    resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=True, resume=True)
+    resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
     resumed.truncate_after(2)
     for epoch in (2, 3, 4):
         resumed.log({"epoch": epoch, "loss": 10.0 + epoch}, step=epoch)

@@ -19,7 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port, launch_cmd, metrics, run_trainer, stable, tail
+from distributed_runs import (DEEPSPEED, REPO, cpu_env, free_port, launch_cmd, metrics, run_trainer, stable, tail,
+                              wandb_env)
+from wandb_records import (exit_code, history, numbers, offline_runs, run_record, wandb_processes,
+                           was_marked_preempting)
 from paco_ds.checkpoint import verify
 
 pytestmark = pytest.mark.stop
@@ -91,10 +94,11 @@ def with_suppress(fn):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_to_the_launcher_alone_stops_every_rank_and_judge(tmp_path, sig):
     """SIGTERM to the `deepspeed` pid (the runner has no handler on one node), and the launcher's
-    death by SIGKILL: both ranks and the judge are gone within 30 s, the launcher's status is
-    non-zero, and `latest` names a complete checkpoint that no later write touched."""
+    death by SIGKILL: both ranks, the judge and W&B's service are gone within 30 s, the launcher's
+    status is non-zero, and `latest` names a complete checkpoint that no later write touched."""
     run_dir = tmp_path / "run"
-    launcher = _start(run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *JUDGE)
+    launcher = _start(run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", "logging.wandb.mode=offline",
+                      *SHORT, *JUDGE)
     procs = []
     try:
         _wait_for(lambda: _latest(run_dir) >= "epoch_0001", launcher, "checkpoint epoch_0001")
@@ -102,6 +106,7 @@ def test_a_signal_to_the_launcher_alone_stops_every_rank_and_judge(tmp_path, sig
         ranks = [p for p in procs if any(a.startswith("--local_rank=") for a in p.cmdline())]
         judges = [p for p in procs if "paco_ds.serving.hf_engine" in p.cmdline()]
         assert len(ranks) == 2 and judges, [p.cmdline()[:4] for p in procs]
+        assert [p for p in procs if "wandb-core" in p.cmdline()[0]]  # W&B's service must go too
         os.kill(launcher.pid, sig)  # the launcher alone: no process group
         assert launcher.wait(timeout=STOP_BOUND_S) != 0
         gone, alive = _gone_within(procs, STOP_BOUND_S)
@@ -119,7 +124,8 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
     """checkpoint.save_on_sigterm: a SIGTERM to every rank (as a scheduler sends it) mid-epoch:
     the ranks finish the micro-step, save together and exit 75; --resume latest then ends with
     the metrics of the run that was never interrupted, every epoch, exactly."""
-    sets = ("train.num_epochs=3", "checkpoint.save_freq=2", "checkpoint.save_on_sigterm=true", *SHORT, *NO_JUDGE)
+    sets = ("train.num_epochs=3", "checkpoint.save_freq=2", "checkpoint.save_on_sigterm=true", *SHORT, *NO_JUDGE,
+            "logging.wandb.mode=offline")
     reference = run_trainer(tmp_path / "reference", *sets)
     assert reference.returncode == 0, tail(reference)
 
@@ -132,11 +138,13 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
                   "epoch 0's metrics")
         procs = _descendants(launcher.pid)
         ranks = [p for p in procs if any(a.startswith("--local_rank=") for a in p.cmdline())]
-        assert len(ranks) == 2
+        services = [p for p in procs if "wandb-core" in p.cmdline()[0] or "wandb-symon" in p.cmdline()[0]]
+        assert len(ranks) == 2 and services
         for r in ranks:
             r.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=120)
         assert launcher.returncode == 75, err[-3000:]
+        assert not [p for p in services if _running(p)]  # rank 0 stopped them before it exited
     finally:
         _cleanup(launcher, procs)
     assert "stop requested: SIGTERM; saving a checkpoint first" in err
@@ -148,11 +156,20 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
     marker = json.loads((run_dir / "PREEMPTED").read_text())
     assert marker["checkpoint"].endswith(saved) and "SIGTERM" in marker["reason"]
 
-    resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"))
+    resumed = run_trainer(run_dir, *sets, extra=("--resume", "latest"), env=wandb_env(tmp_path / "wandb_home"))
     assert resumed.returncode == 0, tail(resumed)
     assert f"resumed from {run_dir / 'checkpoints' / saved}" in resumed.stdout
     assert stable(metrics(run_dir)) == stable(metrics(tmp_path / "reference"))
     assert not (run_dir / "PREEMPTED").exists()  # training again cleared it
+    # W&B: the preempted run finished as such (75), then continued by the resume (a requeue's
+    # `--resume latest`) under the same id; both segments hold the run's metrics once each.
+    assert not wandb_processes(("WANDB_CONFIG_DIR", str(tmp_path / "wandb_home" / "config")))
+    first, second = offline_runs(run_dir)
+    assert run_record(first).run_id == run_record(second).run_id and run_record(second).resume
+    assert (exit_code(first), was_marked_preempting(first), exit_code(second)) == (75, True, 0)
+    assert sorted(history(first)) == [0] and sorted(history(second)) == [1, 2]
+    wandb_rows = {**history(first), **history(second)}
+    assert [wandb_rows[r["epoch"]] for r in metrics(run_dir)] == [numbers(r) for r in metrics(run_dir)]
 
 
 # A run that cannot write any more stops with one line naming the path (paco_ds/storage.py).

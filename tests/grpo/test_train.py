@@ -19,7 +19,7 @@ pytestmark = pytest.mark.fast
 
 # Short runs: 4 epochs of 2 prompts x 4 images, eval and checkpoints every 2.
 FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
-        "checkpoint.keep_last=2")
+        "checkpoint.keep_last=2", "logging.wandb.mode=offline")
 
 EPOCH_FIELDS = [
     "reward/jpeg_compressibility/mean", "reward/jpeg_compressibility/std", "reward/subfig_clipT/mean",
@@ -92,6 +92,28 @@ def test_run_leaves_checkpoints_lora_and_report(full_run):
     assert (full_run / "lora" / "pytorch_lora_weights.safetensors").is_file()
     page = (full_run / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 3 and "Train rewards" in page
+
+
+def test_wandb_has_the_runs_numbers_and_grids_at_their_epochs(full_run):
+    """logging.wandb.mode=offline: rank 0 alone wrote one W&B run and finished it with exit 0; its
+    history is metrics.jsonl's numbers epoch for epoch and the sample grids of images/ at theirs
+    (the same pixels), and every checkpoint carries its id, which a resume continues."""
+    from wandb_records import exit_code, history, numbers, offline_runs, run_record, split_images
+
+    [segment] = offline_runs(full_run)
+    run = run_record(segment)
+    assert exit_code(segment) == 0 and run.display_name == full_run.name
+    for ckpt in ("epoch_0002", "epoch_0004"):
+        assert json.loads((full_run / "checkpoints" / ckpt / "meta.json").read_text())["wandb_run_id"] == run.run_id
+    scalars, images = split_images(history(segment))
+    assert scalars == {r["epoch"]: numbers(r) for r in metrics(full_run)}
+    grids = sorted(p.stem for p in (full_run / "images").glob("*.png"))
+    assert sorted(f"{key.split('/')[1]}_epoch{step:04d}" for step, row in images.items() for key in row) == grids
+    for step, row in images.items():
+        for key, image in row.items():
+            sent = Image.open(segment.parent / "files" / image["path"]).convert("RGB")
+            kept = Image.open(full_run / "images" / f"{key.split('/')[1]}_epoch{step:04d}.png").convert("RGB")
+            assert sent.tobytes() == kept.tobytes()
 
 
 

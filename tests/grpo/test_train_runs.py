@@ -1,5 +1,5 @@
 """The GRPO trainer's longer real runs: the shared tiny run (tests/grpo/test_train.py) resumed exactly from
-its own epoch-2 checkpoint, a rank killed mid-run, and finished runs that always exit 0."""
+its own epoch-2 checkpoint (continuing its W&B run), a rank killed mid-run, and finished runs that always exit 0."""
 import os
 import signal
 import subprocess
@@ -8,12 +8,13 @@ import time
 import psutil
 import pytest
 
-from distributed_runs import REPO, cpu_env, launch_cmd, metrics, resume_copy, run_trainer, stable, tail
+from distributed_runs import REPO, cpu_env, launch_cmd, metrics, resume_copy, run_trainer, stable, tail, wandb_env
+from wandb_records import exit_code, history, numbers, offline_runs, run_record, split_images, wandb_processes
 
 pytestmark = pytest.mark.runs
 
 FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
-        "checkpoint.keep_last=2")
+        "checkpoint.keep_last=2", "logging.wandb.mode=offline")
 NO_JUDGE = ("reward_servers=null", "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}")
 
 
@@ -25,12 +26,25 @@ def full_run(runs):
 
 def test_exact_resume(full_run, tmp_path):
     """The run resumed from its epoch-2 checkpoint (in a copy of its directory) through
-    launch/train.py ends with exactly the run's own metrics."""
+    launch/train.py ends with exactly the run's own metrics.
+
+    W&B (offline): the resume continues the W&B run the checkpoint names, as a second segment of the
+    same run id. W&B already holds epochs 2-4 from the first pass (an exact resume repeats them), so
+    the segment sends no step below 5: none here. Both segments together are still the run's own
+    metrics, the run is finished with exit 0, and no W&B process of the launch outlives it."""
     run_dir = tmp_path / "resumed"
-    resumed = resume_copy(full_run, run_dir, "epoch_0002", *FAST)
+    marked = wandb_env(tmp_path / "wandb_home")
+    resumed = resume_copy(full_run, run_dir, "epoch_0002", *FAST, env=marked)
     assert resumed.returncode == 0, tail(resumed)
     assert "resumed from" in resumed.stdout
     assert stable(metrics(run_dir)) == stable(metrics(full_run))
+    assert not wandb_processes(("WANDB_CONFIG_DIR", marked["WANDB_CONFIG_DIR"]))
+    first, second = offline_runs(run_dir)
+    assert run_record(second).run_id == run_record(first).run_id and run_record(second).resume
+    assert exit_code(second) == 0 and history(second) == {}
+    scalars, _ = split_images({**history(first), **history(second)})
+    rows = [numbers(r) for r in metrics(run_dir)]
+    assert stable([scalars[r["epoch"]] for r in rows]) == stable(rows) and len(scalars) == len(rows)
 
 
 def test_a_ppo_checkpoint_resumed_under_nft_is_refused_naming_the_missing_state(full_run, tmp_path):

@@ -9,11 +9,12 @@ import socket
 import pytest
 
 from conftest import REPO, run_cli
+from distributed_runs import wandb_env
 
 pytestmark = pytest.mark.runs
 
 TINY = str(REPO / "configs" / "tiny" / "reward_sft.yaml")
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning", **wandb_env(REPO / "build" / "wandb")}
 
 
 def free_port() -> int:
@@ -41,7 +42,7 @@ def metrics(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft_full")
-    log = deepspeed_sft(out, "checkpoint.every_steps=9", "checkpoint.keep_last=20")
+    log = deepspeed_sft(out, "checkpoint.every_steps=9", "checkpoint.keep_last=20", "logging.wandb.mode=offline")
     return out / "tiny_reward_sft", log.stdout
 
 
@@ -71,8 +72,14 @@ def test_tiny_run_lowers_the_loss_and_reports_first_token_accuracy(full_run):
 
 
 def test_resume_continues_exactly(full_run, tmp_path):
+    """From the shared run's step-9 checkpoint, in another directory: the same steps after it. A
+    checkpoint of another directory starts another W&B run (this directory's own)."""
+    from wandb_records import offline_runs, run_record
+
     run, _ = full_run
-    out = deepspeed_sft(tmp_path, resume=run / "checkpoints" / "step_0000009")
+    out = deepspeed_sft(tmp_path, "logging.wandb.mode=offline", resume=run / "checkpoints" / "step_0000009")
+    [first], [elsewhere] = offline_runs(run), offline_runs(tmp_path / "tiny_reward_sft")
+    assert run_record(elsewhere).run_id != run_record(first).run_id and not run_record(elsewhere).resume
     assert "resumed from" in out.stdout and "at optimizer step 9 (epoch 2, step 3 of 6)" in out.stdout
 
     def by_step(rows):
@@ -81,6 +88,23 @@ def test_resume_continues_exactly(full_run, tmp_path):
     resumed = by_step(metrics(tmp_path / "tiny_reward_sft"))
     assert len(resumed) == 27 + 5  # steps 10..36 and the evaluations after epochs 2..6
     assert resumed == by_step(metrics(run))  # the same losses, gradient norms, learning rates, evaluations
+
+
+def test_wandb_has_every_optimizer_step(full_run):
+    """logging.wandb.mode=offline: rank 0's one W&B run holds each optimizer step's numbers (a step's
+    training and evaluation lines together, as W&B keeps one row per step), finished with exit 0, and
+    the checkpoints carry its id."""
+    from wandb_records import exit_code, history, numbers, offline_runs, run_record
+
+    run, _ = full_run
+    [segment] = offline_runs(run)
+    run_id = run_record(segment).run_id
+    assert exit_code(segment) == 0 and run_record(segment).project == "paco_reward"
+    assert json.loads((run / "checkpoints" / "step_0000009" / "meta.json").read_text())["wandb_run_id"] == run_id
+    by_step: dict = {}
+    for row in metrics(run):
+        by_step.setdefault(row["step"], {}).update(numbers(row))
+    assert history(segment) == by_step
 
 
 def test_export_merges_the_adapter_into_a_model_that_scores_a_pair(full_run, tmp_path):
