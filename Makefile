@@ -123,7 +123,7 @@ slurm-test-setup: cluster-test-setup
 	bash tests/slurm/slurm.sh up
 
 test-slurm: setup slurm-test-setup
-	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm
+	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm tests/slurm
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
 # the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece.
