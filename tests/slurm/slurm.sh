@@ -118,7 +118,7 @@ stop_pidfile() {  # SIGTERM, then SIGKILL after 10 s
 down() {
   if [ -f "$RUN/slurmctld.pid" ] && kill -0 "$(cat "$RUN/slurmctld.pid")" 2>/dev/null; then
     # Whatever still runs: cancelled, so no job's process outlives the cluster.
-    in_ns pc-node0 scancel --full --state=RUNNING -p test 2>/dev/null || true
+    in_ns pc-node0 scancel -p test 2>/dev/null || true
   fi
   for n in "${NODES[@]}"; do stop_pidfile "$RUN/slurmd-$n.pid"; done
   stop_pidfile "$RUN/slurmctld.pid"
