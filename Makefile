@@ -13,7 +13,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo sft-demo test test-runs test-all bench triton36-setup test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster vllm-setup test-vllm
+.PHONY: setup demo sft-demo test test-runs test-all bench triton36-setup test-triton36 clean gpu-wheels test-gpu cluster-test-setup test-cluster slurm-test-setup test-slurm vllm-setup test-vllm
 
 setup: $(STAMP)
 
@@ -113,6 +113,17 @@ cluster-test-setup:
 
 test-cluster: setup cluster-test-setup
 	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster
+
+# A real Slurm on those two nodes (root): Debian's slurm-wlm and munge, slurmctld and one slurmd per
+# network namespace (tests/slurm/slurm.sh; `bash tests/slurm/slurm.sh down` stops it all again).
+slurm-test-setup: cluster-test-setup
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    slurm-wlm munge; }
+	bash tests/slurm/slurm.sh up
+
+test-slurm: setup slurm-test-setup
+	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm tests/slurm
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
 # the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece,

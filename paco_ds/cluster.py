@@ -16,6 +16,13 @@ its own host first, then the first other one that answers (paco_ds/serving/routi
 Judges run in the foreground of their ssh session (`exec` keeps the pid the shell printed), with
 `--exit-with-parent`: if the launcher dies without cleaning up, the ssh session closes and the
 judge follows. The launcher also stops each one explicitly, by pid, over ssh.
+
+A SIGTERM or SIGUSR1 to the launcher (a scheduler's stop, or its warning before a time limit) asks
+every rank on every host to stop through a file in the shared run directory (PACO_STOP_FILE,
+paco_ds/stopping.py): with `checkpoint.save_on_sigterm` they save together and exit 75. The launcher
+waits for them (within sigterm_grace_s) and then stops the judges. Ctrl-C stops everything at once.
+The hosts come from a DeepSpeed hostfile (`main`) or a Slurm allocation (paco_ds/slurm.py); both go
+through `run` below.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from paco_ds import processes
 from paco_ds.config import ClusterConfig, JudgePlacement
 from paco_ds.errors import ConfigError, UserError
 from paco_ds.serving.manager import log_tail
-from paco_ds.stopping import PREEMPTED_EXIT, preempted_since
+from paco_ds.stopping import HARD_STOP_S, PREEMPTED_EXIT, STOP_FILE_ENV, preempted_since
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENDPOINTS_ENV = "PACO_REWARD_ENDPOINTS"
@@ -218,8 +225,11 @@ def endpoints_value(model: str, judges: list[Judge], bind: dict[str, str]) -> st
     return f"{model}=" + "+".join(f"http://{bind[j.host]}:{j.port}/v1" for j in judges)
 
 
-def rank_environment(servers, judges: list[Judge], bind: dict[str, str], environ=os.environ) -> dict[str, str]:
+def rank_environment(servers, judges: list[Judge], bind: dict[str, str], environ=os.environ,
+                     stop_file: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in environ.items() if k in FORWARDED or k.startswith(FORWARDED_PREFIXES)}
+    if stop_file is not None:
+        env[STOP_FILE_ENV] = str(stop_file)
     if servers is not None and judges:
         env[ENDPOINTS_ENV] = endpoints_value(servers.models[0].name, judges, bind)
         if servers.api_key_env in environ:
@@ -322,6 +332,11 @@ class Cluster:
         self.trainer: subprocess.Popen | None = None
         self.trainer_failure: str | None = None
         self.token = os.environ.get(servers.api_key_env) if servers is not None else None
+        self.run_dir = run_dir
+        self.stop_file = stop_file_of(run_dir)
+        self.stop_file.unlink(missing_ok=True)  # a request of an earlier launch is not this one's
+        self.stop_reason: str | None = None
+        self.stop_deadline: float | None = None
 
     # judges ------------------------------------------------------------------------------------
     def _spawn(self, rj: RunningJudge) -> None:
@@ -373,7 +388,10 @@ class Cluster:
             self.log(f"[cluster] {len(self.judges)} judge(s) ready in {time.monotonic() - t0:.1f}s")
 
     def check_judges(self) -> None:
-        """A judge whose ssh session ended is started again (up to cluster.restarts times)."""
+        """A judge whose ssh session ended is started again (up to cluster.restarts times), unless the
+        run is stopping (a scheduler's SIGTERM reaches the judges' ssh sessions too)."""
+        if self.stop_reason is not None:
+            return
         for rj in self.judges:
             if rj.proc is not None and rj.proc.poll() is not None:
                 code = rj.proc.returncode
@@ -390,6 +408,31 @@ class Cluster:
                 self.log(f"[cluster] host '{rj.judge.host}': judge back in {time.monotonic() - t0:.1f}s")
 
     # trainers ----------------------------------------------------------------------------------
+    def request_stop(self, reason: str, within: float) -> None:
+        """Ask every rank on every host to stop (to save first, with checkpoint.save_on_sigterm):
+        the file their stop control watches. `run_trainers` waits `within` seconds for them."""
+        if self.stop_reason is not None:
+            return
+        self.stop_reason, self.stop_within, self.stop_deadline = reason, within, time.monotonic() + within
+        tmp = self.stop_file.with_suffix(".tmp")
+        tmp.write_text(reason + "\n")
+        os.replace(tmp, self.stop_file)
+        self.log(f"[cluster] {reason}: asked every rank to stop; waiting up to {within:g}s for them")
+
+    def _stop_overdue(self) -> None:
+        if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+            raise ClusterError(f"the trainers did not stop within {self.stop_within:g}s of the request "
+                               f"({self.stop_reason}); stopping them")
+
+    def _wait_ranks_released(self, poll: float) -> None:
+        """After a stop request the DeepSpeed runner may end before the ranks (a SIGTERM to it stops
+        its pdsh sessions): wait until rank 0 lets go of the run directory, after its save."""
+        from paco_ds.runlock import in_use
+
+        while in_use(self.run_dir):
+            self._stop_overdue()
+            time.sleep(poll)
+
     def run_trainers(self, argv: list[str], env: dict[str, str], poll: float = 0.5, grace: float = 15.0) -> int:
         """Run the deepspeed launcher; its output goes to ours and to cluster/trainers.log. When one
         host's ranks fail (pdsh reports its ssh exit code), the others get `grace` seconds to
@@ -420,11 +463,16 @@ class Cluster:
         reader.start()
         while self.trainer.poll() is None:
             self.check_judges()
-            if failed and time.monotonic() - failed[0][2] > grace:
+            self._stop_overdue()
+            if failed and time.monotonic() - failed[0][2] > grace and self.stop_reason is None:
                 host, code, _ = failed[0]
                 raise ClusterError(f"host '{host}': trainer rank(s) exited with code {code}; the other hosts "
                                    f"did not stop within {grace:g}s, stopping them")
             time.sleep(poll)
+        if self.stop_reason is not None:
+            self.log(f"[cluster] the trainers' launcher ended (code {self.trainer.returncode}); waiting for "
+                     "rank 0 to let go of the run directory")
+            self._wait_ranks_released(poll)
         reader.join(5)
         if failed:
             self.trainer_failure = f"host '{failed[0][0]}': trainer rank(s) exited with code {failed[0][1]}"
@@ -456,6 +504,7 @@ class Cluster:
         if self.trainer is not None:
             _stop_group(self.trainer.pid, proc=self.trainer)
         self.processes_file.unlink(missing_ok=True)  # all stopped: the guard has nothing left to do
+        self.stop_file.unlink(missing_ok=True)
         return problems
 
     # a guard for the launcher's own death -------------------------------------------------------
@@ -563,22 +612,42 @@ def ensure_token(api_key_env: str, environ=os.environ) -> None:
         environ[api_key_env] = secrets.token_urlsafe(24)
 
 
+def stop_file_of(run_dir: Path) -> Path:
+    return Path(run_dir) / "cluster" / "STOP"
+
+
+@dataclass
+class Outcome:
+    code: int  # 0, PREEMPTED_EXIT (the ranks saved after a stop request) or 1
+    stop_signal: str | None = None  # the signal that asked the run to stop ("SIGUSR1", "SIGTERM"), if one did
+
+
 def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False, resume: str | None = None,
          master_port: int = 29500, log=print, gpu_memory: float | None = None) -> int:
-    from paco_ds.grpo.plan import check_recipe, describe, load_config
+    """`launch/cluster.py`: the hosts of a DeepSpeed hostfile."""
+    from paco_ds.grpo.plan import load_config
 
     cfg = load_config(config, overrides)
     hosts = parse_hostfile(hostfile)
+    return run(cfg, hosts, Path(hostfile), config, overrides, dry_run, resume, master_port, log, gpu_memory).code
+
+
+def run(cfg, hosts: dict[str, int], hostfile: Path, config: str, overrides: list[str], dry_run: bool = False,
+        resume: str | None = None, master_port: int = 29500, log=print, gpu_memory: float | None = None) -> Outcome:
+    """One multi-node run on `hosts` (host -> slots; `hostfile` lists them for DeepSpeed): place the
+    judges and the trainers, start them, wait, stop everything on every host."""
+    from paco_ds.grpo.plan import check_recipe, describe
+
     cluster = cfg.cluster or default_cluster(cfg, hosts)
     if cluster.judges or cluster.every_node or cluster.colocate:
         if cfg.reward_servers is None:
             raise ConfigError("cluster: judges are placed but the recipe has no reward_servers section to serve")
-    p = place(hosts, cluster, hostfile)
+    p = place(hosts, cluster, str(hostfile))
     plan = check_recipe(cfg, p.world_size)  # m rounded for the world size; errors name the keys
     bind = {h: resolve(h, strict=not dry_run) for h in hosts}
     if p.judges and not dry_run:
         ensure_token(cfg.reward_servers.api_key_env)
-    env = rank_environment(cfg.reward_servers, p.judges, bind)
+    env = rank_environment(cfg.reward_servers, p.judges, bind, stop_file=stop_file_of(cfg.run_dir))
     argv = deepspeed_argv(p, Path(hostfile).resolve(), train_arguments(config, overrides, resume), master_port,
                           cluster.ssh_port, bind)
     if dry_run:
@@ -589,9 +658,21 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
             from paco_ds.gpu_plan import print_plan
 
             print_plan(cfg.model_copy(update={"cluster": cluster}), p.world_size, gpu_memory, log)
-        return 0
+        return Outcome(0)
     c = Cluster(p, cfg.reward_servers, cluster, cfg.run_dir, log)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # A stop request (a scheduler's SIGTERM, or its SIGUSR1 ahead of a time limit) reaches every rank
+    # through the stop file; the ranks' own grace, and the launcher's few seconds after it, bound the wait.
+    within = (cfg.checkpoint.sigterm_grace_s if cfg.checkpoint.save_on_sigterm else HARD_STOP_S) + 10.0
+    stop_signal: list[str] = []
+
+    def on_stop(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if c.trainer is None:  # nothing trains yet: nothing to save
+            raise KeyboardInterrupt
+        stop_signal.append(name)
+        c.request_stop(f"{name} to the launcher", within)
+
+    previous = {sig: signal.signal(sig, on_stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     failure: str | None = None
     t0 = time.monotonic()
     guard = c.start_guard()
@@ -603,32 +684,33 @@ def main(hostfile: str, config: str, overrides: list[str], dry_run: bool = False
         # The ranks saved after a stop: 75, whatever status the DeepSpeed launcher passed on (143 after SIGTERM)
         preempted = preempted_since(cfg.run_dir, started)
         if code != 0 and preempted is None:
-            failure = c.trainer_failure or f"the trainers exited with code {code}"
+            failure = (f"stopped on request ({c.stop_reason}) without a preemption checkpoint" if c.stop_reason
+                       else c.trainer_failure or f"the trainers exited with code {code}")
     except KeyboardInterrupt:
         failure = "interrupted (Ctrl-C or SIGTERM)"
     except ClusterError as err:
         failure = str(err)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # a second request while cleaning up: the same clean-up
+            signal.signal(sig, signal.SIG_IGN)
         problems = c.close()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         with contextlib.suppress(subprocess.TimeoutExpired):
             guard.wait(10)  # it sees close() done and exits
     for pr in problems:
         log(f"[cluster] cleanup: {pr}")
+    stopped_by = stop_signal[0] if stop_signal else None
     if preempted is not None and failure is None:
         log(f"[cluster] preempted ({preempted.get('reason')}) after saving {preempted.get('checkpoint')}; "
             f"stopped everything on {', '.join(hosts)}; continue with --resume latest")
-        return PREEMPTED_EXIT
+        return Outcome(PREEMPTED_EXIT, stopped_by)
     if failure:
         log(f"[cluster] failed after {time.monotonic() - t0:.1f}s: {failure}; stopped everything on "
             f"{', '.join(hosts)}")
-        return 1
+        return Outcome(1, stopped_by)
     log(f"[cluster] done in {time.monotonic() - t0:.1f}s; stopped everything on {', '.join(hosts)}")
-    return 0 if not problems else 1
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    return Outcome(0 if not problems else 1, stopped_by)
 
 
 if __name__ == "__main__":  # the guard: python -m paco_ds.cluster --reap PROCESSES_FILE LAUNCHER_PID

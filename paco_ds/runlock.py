@@ -92,6 +92,22 @@ class RunLock:
         self.release()
 
 
+def in_use(run_dir: str | Path) -> bool:
+    """Whether a live process owns the run directory now (a launcher waiting for its ranks' end);
+    the probe takes no lock it keeps and writes nothing."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return False
+
+
 @contextlib.contextmanager
 def owned_run_dir(run_dir: str | Path, is_main: bool) -> Iterator[RunLock | None]:
     """Collective: global rank 0 takes the run directory's lock and holds it for the block; when

@@ -17,6 +17,11 @@ What a stop request does:
   each rollout batch), the ranks agree, save a checkpoint together and exit with PREEMPTED_EXIT.
   Past `checkpoint.sigterm_grace_s` the rank stops as above, without the checkpoint. SIGINT
   (Ctrl-C) still stops at once.
+
+A multi-node launcher (paco_ds/cluster.py) asks every rank on every host to stop by writing the
+file named in PACO_STOP_FILE (in the shared run directory): a rank that sees it acts as on a
+SIGTERM. A file needs no process ids, no ssh and no live transport: under a scheduler the ssh
+sessions that carry the ranks may be signalled together with the launcher.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from paco_ds.errors import UserError
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped after saving; `--resume latest` continues
+STOP_FILE_ENV = "PACO_STOP_FILE"  # a launcher's stop request to ranks on every host: the file's existence
 HARD_STOP_S = 20.0  # an immediate stop that has not ended by then is forced (judges first)
 POLL_S = 0.25
 
@@ -83,7 +89,7 @@ def _is_runner(argv: list[str]) -> bool:
 
 
 def _is_cluster(argv: list[str]) -> bool:
-    return any(a.endswith("launch/cluster.py") for a in argv[:3])
+    return any(a.endswith(("launch/cluster.py", "launch/slurm.py")) for a in argv[:3])
 
 
 def launcher_chain(pid: int | None = None) -> list[tuple[int, float]]:
@@ -110,6 +116,41 @@ def launcher_chain(pid: int | None = None) -> list[tuple[int, float]]:
     return [(p, started) for p in chain if (started := processes.start_time(p)) is not None]
 
 
+class _OutputThatMayClose:
+    """A rank's stdout or stderr that may lose its reader: under a multi-node launcher it is the pipe
+    of an ssh session, which a scheduler's SIGTERM to the job ends while the rank is still saving.
+    A write to it after that is dropped, where it would raise BrokenPipeError mid-save."""
+
+    def __init__(self, stream):
+        self._stream, self._lost = stream, False
+
+    def write(self, text):
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ConnectionResetError):
+                self._lost = True
+        return len(text)
+
+    def flush(self):
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self._lost = True
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+def keep_running_without_output() -> None:
+    """Make this rank's sys.stdout and sys.stderr survive the end of their reader (idempotent)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _OutputThatMayClose):
+            setattr(sys, name, _OutputThatMayClose(stream))
+
+
 class StopControl:
     """This rank's stop handling; one per process (`install`)."""
 
@@ -126,9 +167,12 @@ class StopControl:
         self._previous: dict[int, object] = {}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
+        self._stop_file = os.environ.get(STOP_FILE_ENV) or None
 
     # -------------------------------------------------------------------------------- set-up
     def install(self) -> "StopControl":
+        if self._stop_file is not None:  # a rank of a multi-node launch: its output is an ssh session's
+            keep_running_without_output()
         self._watched = launcher_chain()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -185,8 +229,22 @@ class StopControl:
         self._deadline = time.monotonic()
 
     def _launcher_gone(self, pid: int) -> None:
-        if self._request(f"the launcher (pid {pid}) ended", self.save_first, 143) and not self.save_first:
+        self._stop_as_sigterm(f"the launcher (pid {pid}) ended")
+
+    def _stop_as_sigterm(self, reason: str) -> None:
+        if self._request(reason, self.save_first, 143) and not self.save_first:
             _thread.interrupt_main(signal.SIGTERM)  # SystemExit in the main thread, as a SIGTERM would
+
+    def _stop_file_request(self) -> str | None:
+        """The launcher's reason, when it asked every rank to stop (PACO_STOP_FILE exists)."""
+        if self._stop_file is None:
+            return None
+        try:
+            return Path(self._stop_file).read_text().strip() or "stop requested"
+        except FileNotFoundError:
+            return None
+        except OSError as err:  # there but unreadable: still a request
+            return f"stop requested ({err.strerror})"
 
     # -------------------------------------------------------------------------------- watcher
     def _watch(self) -> None:
@@ -196,6 +254,8 @@ class StopControl:
                     if not processes.alive(pid, start):
                         self._launcher_gone(pid)
                         break
+            if self.reason is None and (asked := self._stop_file_request()) is not None:
+                self._stop_as_sigterm(f"the launcher asked every rank: {asked}")
             if self._deadline is not None and time.monotonic() > self._deadline:
                 self._force_exit()
 

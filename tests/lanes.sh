@@ -7,7 +7,7 @@
 # failed. The table also goes to build/lanes.json.
 set -u
 cd "$(dirname "$0")/.."
-LANES=${LANES:-test test-runs test-vllm test-stop test-plan test-triton36 test-cluster}
+LANES=${LANES:-test test-runs test-vllm test-stop test-plan test-triton36 test-cluster test-slurm}
 mkdir -p build
 START=$(date +%s)
 side_pid=""
@@ -27,14 +27,15 @@ for lane in $LANES; do
         fi
         side_pid=""
     fi
-    if [[ $lane == test-cluster && $(id -u) != 0 ]]; then
-        echo "lanes: skipping make test-cluster: the two-node tests need root (network namespaces and sshd)"
+    if [[ ( $lane == test-cluster || $lane == test-slurm ) && $(id -u) != 0 ]]; then
+        echo "lanes: skipping make $lane: the two-node tests need root (network namespaces, sshd, Slurm's daemons)"
         STATUS[$lane]=skipped; SECS[$lane]=0
         continue
     fi
     echo "==== make $lane"
     if make "$lane"; then STATUS[$lane]=passed; else STATUS[$lane]=failed; FAILED=1; fi
     [[ $lane == test-cluster ]] && bash tests/cluster/netns.sh down
+    [[ $lane == test-slurm ]] && bash tests/slurm/slurm.sh down
     SECS[$lane]=$(( $(date +%s) - t0 ))
 done
 TOTAL=$(( $(date +%s) - START ))

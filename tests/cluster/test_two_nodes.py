@@ -33,13 +33,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.environ.get("PACO_TEST_
               pytest.mark.skipif(not _up(), reason="test cluster not up: make cluster-test-setup")]
 
 
-def node_pids(ns: str) -> dict[int, str]:
-    """Every process in a node's network namespace but its sshd listener, with its command line."""
+def node_pids(ns: str, daemons: frozenset[int] = frozenset()) -> dict[int, str]:
+    """Every process in a node's network namespace but its sshd listener (and `daemons`, the pids of
+    other services the namespace runs, e.g. Slurm's), with its command line."""
     sshd = {int((SSHD_PIDS / f"sshd-{i}.pid").read_text()) for i in range(2)}
     out = {}
     for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
         pid = int(p)
-        if pid in sshd:
+        if pid in sshd or pid in daemons:
             continue
         try:
             out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -48,11 +49,13 @@ def node_pids(ns: str) -> dict[int, str]:
     return out
 
 
-def assert_nothing_left() -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(node_pids(n) for n in NODES):
+def assert_nothing_left(within: float = 15, daemons: frozenset[int] = frozenset()) -> float:
+    """No process of the run on either node within `within` seconds; returns how long it took."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + within and any(node_pids(n, daemons) for n in NODES):
         time.sleep(0.5)
-    assert {n: node_pids(n) for n in NODES} == {n: {} for n in NODES}
+    assert {n: node_pids(n, daemons) for n in NODES} == {n: {} for n in NODES}
+    return time.monotonic() - t0
 
 
 def hostfile(tmp_path: Path) -> Path:
