@@ -62,6 +62,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
     from paco_ds.models.tiny.qwen_vl import QWEN2_VL_CHAT_TEMPLATE
 
     parts = qwen_image_components(cfg)
+    parts.pop("max_sequence_length")  # the VL encoder reads the whole prompt with the reference (no cap)
     parts["processor"] = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS),
         video_processor=Qwen2VLVideoProcessor(**QWEN_VL_PIXELS), tokenizer=parts.pop("tokenizer"),
@@ -81,6 +82,7 @@ class QwenEditPolicy(QwenImagePolicy):
     display_name = "Qwen-Image-Edit"
     default_path = DEFAULT_PATH
     full_size = FullSize(full_size_transformer, full_size_components)
+    max_sequence_length_limit = None  # model.max_sequence_length does not apply (options: the whole prompt)
     prompt_template = PROMPT_TEMPLATE
     template_prefix_end = "<|vision_start|>"  # the vision tokens stay
 
