@@ -1,4 +1,5 @@
-"""PPO-clip vs GRPO-Guard vs Flow-GRPO-Fast vs DiffusionNFT vs AWM on the tiny T2IS recipe, same images.
+"""PPO-clip, GRPO-Guard, Flow-GRPO-Fast, DiffusionNFT, AWM, online DPO, CPS sampling and MixGRPO-Flash on the
+tiny T2IS recipe, same images.
 
 Every method runs the real trainer (deepspeed launcher, 2 ZeRO-3 CPU processes) from its tiny
 recipe with one learnable reward, jpeg_compressibility, the same seeds, the same prompts per epoch,
@@ -11,7 +12,7 @@ time/epoch: sampling + reward + training, no start-up, no eval). Prints a table,
 benchmarks/results/loss_compare_cpu.json and the reward-vs-images curves (mean +- std over seeds)
 as loss_compare_cpu.png.
 
-    python benchmarks/loss_compare.py                      # 5 methods x 3 seeds, about 25 min on 2 cores
+    python benchmarks/loss_compare.py                      # 8 methods x 3 seeds, about 40 min on 2 cores
     python benchmarks/loss_compare.py --methods awm --merge  # one method, merged into the results file
 
 `--merge` runs only the given methods and replaces their runs in the existing results (the other
@@ -42,6 +43,9 @@ METHODS = {  # name -> (tiny recipe, extra --set)
     "fast_window": ("configs/tiny/t2is_fast.yaml", ()),
     "nft": ("configs/tiny/t2is_nft.yaml", ()),
     "awm": ("configs/tiny/t2is_awm.yaml", ()),
+    "dpo": ("configs/tiny/t2is_dpo.yaml", ()),
+    "cps": ("configs/tiny/t2is_cps.yaml", ()),
+    "mixgrpo_flash": ("configs/tiny/t2is_mixgrpo_flash.yaml", ()),
 }
 REWARD = "jpeg_compressibility"
 
