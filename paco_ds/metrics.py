@@ -115,8 +115,20 @@ class MetricsLogger:
     def truncate_after(self, epoch: int, key: str = "epoch") -> None:
         """On resume, drop lines whose `key` (the epoch, or e.g. the optimizer step) is >= `epoch`:
         they will be run again."""
-        if not (self.enabled and self.path.is_file()):
+        if not self.enabled:
             return
+        if self.path.is_file():
+            self._truncate_lines(epoch, key)
+        if self.tb is not None:
+            # TensorBoard's own rule for a restart: its events at steps >= `epoch` (the TensorBoard
+            # step is `key`'s value) are hidden, so the re-run steps show once, not twice. Also when
+            # metrics.jsonl is gone (removed by hand): the event files still hold those steps.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=epoch)
+
+    def _truncate_lines(self, epoch: int, key: str) -> None:
         lines = [l for l in self.path.read_text(errors="replace").splitlines() if l.strip()]
         rows = []
         for n, line in enumerate(lines, 1):
@@ -135,13 +147,6 @@ class MetricsLogger:
         self._rerun_last = max((row[key] for _, row in rows if isinstance(row.get(key), (int, float))
                                 and row[key] >= epoch), default=-1)
         self.path.write_text("".join(l + "\n" for l in keep))
-        if self.tb is not None:
-            # TensorBoard's own rule for a restart: its events at steps >= `epoch` (the TensorBoard
-            # step is `key`'s value) are hidden, so the re-run steps show once, not twice.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb.close()
-            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=epoch)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

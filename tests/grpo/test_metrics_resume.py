@@ -30,15 +30,18 @@ def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(tmp_path):
         _logger(tmp_path).truncate_after(1)
 
 
-def test_after_a_resume_tensorboard_has_one_point_per_epoch(tmp_path):
+@pytest.mark.parametrize("jsonl_kept", [True, False])
+def test_after_a_resume_tensorboard_has_one_point_per_epoch(tmp_path, jsonl_kept):
     """The epochs a resume runs again replace their first values in TensorBoard, read back from the
-    event files with TensorBoard's own reader."""
+    event files with TensorBoard's own reader; also when metrics.jsonl was removed before the resume."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     first = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
     for epoch in range(4):
         first.log({"epoch": epoch, "loss": float(epoch)}, step=epoch)
     first.close()
+    if not jsonl_kept:
+        (tmp_path / "metrics.jsonl").unlink()
     resumed = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
     resumed.truncate_after(2)
     for epoch in (2, 3, 4):
