@@ -185,6 +185,19 @@ def load_exported_lora(policy, pipe, folder: Path):
     return pipe
 
 
+def assert_loaded_lora_matches(policy, pipe, x, sigma, embeds, height, width, guidance, condition=None):
+    """The velocity through the pipeline's transformer (the export loaded by `load_exported_lora`)
+    equals the policy's own with its adapter, and differs from the policy's with the adapter off."""
+    import torch
+
+    with torch.no_grad():
+        ours = policy.velocity(policy.transformer, x, sigma, embeds, height, width, guidance, condition=condition)
+        theirs = policy.velocity(pipe.transformer, x, sigma, embeds, height, width, guidance, condition=condition)
+        with policy.adapter_disabled():
+            base = policy.velocity(policy.transformer, x, sigma, embeds, height, width, guidance, condition=condition)
+    assert torch.allclose(ours, theirs, atol=1e-6) and not torch.allclose(ours, base, atol=1e-4)
+
+
 def save_diffusers_layout(parts: dict, folder: Path, names: tuple[str, ...]) -> Path:
     """Write tiny components as a checkpoint folder in diffusers' layout (one subfolder per part in
     `names`, plus the scheduler's config), for a policy's real loading code to read."""

@@ -5,7 +5,7 @@ QwenImageEditPlusPipeline."""
 import pytest
 import torch
 
-from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
+from conftest import assert_loaded_lora_matches, load_exported_lora, save_diffusers_layout, with_active_lora
 from paco_ds.config import LoraConfig, ModelConfig
 from paco_ds.models.qwen_image_edit_plus import HUB_IDS, QwenEditPlusPolicy
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
@@ -149,12 +149,7 @@ def test_lora_export_loads_into_qwen_image_edit_plus_pipeline(policy, tmp_path):
     cond = policy.encode_condition([(_ref(64, 96, 13), _ref(80, 80, 14))], h, w)
     emb = policy.encode_prompts(["make it red"], cond)
     x = policy.initial_latents(1, h, w, [make_generator(15)])
-    with torch.no_grad():
-        ours = policy.velocity(policy.transformer, x, 0.6, emb, h, w, 1.0, condition=cond)
-        theirs = policy.velocity(pipe.transformer, x, 0.6, emb, h, w, 1.0, condition=cond)
-        with policy.adapter_disabled():
-            base = policy.velocity(policy.transformer, x, 0.6, emb, h, w, 1.0, condition=cond)
-    assert torch.allclose(ours, theirs, atol=1e-6) and not torch.allclose(ours, base, atol=1e-4)
+    assert_loaded_lora_matches(policy, pipe, x, 0.6, emb, h, w, 1.0, condition=cond)
 
 
 def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path):

@@ -61,32 +61,24 @@ def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
     assert plan.flops["training"] > 0 and plan.flops["sampling"] > plan.flops["training"] / 4
 
 
-def test_qwen_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
-    """Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) on the paper's T2IS settings:
-    the plan states the transformer's parameters (LoRA included) and its verdict."""
+@pytest.mark.parametrize("family, transformer, text_encoders", [
+    # Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) with Qwen2.5-VL-7B;
+    # without the LoRA: 20,430,401,088
+    ("qwen_image", "transformer 20,855,074,368, lora 424,673,280", "text_encoders 8,292,166,656"),
+    # Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B;
+    # without the LoRA: 6,154,908,736
+    ("z_image", "transformer 6,313,669,696, lora 158,760,960", "text_encoders 4,022,468,096"),
+])
+def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli(family, transformer, text_encoders):
+    """A family's recipe on the paper's T2IS settings, planned on fake tensors from the CLI: the plan
+    states the transformer's parameters (LoRA included), the text encoder's, and its verdict."""
     args = [a for o in T2IS_DATA for a in ("--set", o)]
-    proc = run_cli("launch/train.py", "--config", "configs/qwen_image_t2is.yaml", "--dry-run", "--world-size", "8",
+    proc = run_cli("launch/train.py", "--config", f"configs/{family}_t2is.yaml", "--dry-run", "--world-size", "8",
                    "--gpu-memory", "80", *args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "GPU plan per rank (qwen_image, 512x512, bfloat16" in proc.stdout
+    assert f"GPU plan per rank ({family}, 512x512, bfloat16" in proc.stdout
     params = next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
-    assert "transformer 20,855,074,368, lora 424,673,280" in params  # 20,430,401,088 without the LoRA
-    assert "text_encoders 8,292,166,656" in params  # Qwen2.5-VL-7B
-    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
-    assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
-
-
-def test_z_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
-    """Z-Image-Turbo's single-stream DiT (its published transformer config, built by diffusers' own
-    class on fake tensors) with Qwen3-4B on the paper's T2IS settings: parameters and verdict."""
-    args = [a for o in T2IS_DATA for a in ("--set", o)]
-    proc = run_cli("launch/train.py", "--config", "configs/z_image_t2is.yaml", "--dry-run", "--world-size", "8",
-                   "--gpu-memory", "80", *args, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "GPU plan per rank (z_image, 512x512, bfloat16" in proc.stdout
-    params = next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
-    assert "transformer 6,313,669,696, lora 158,760,960" in params  # 6,154,908,736 without the LoRA
-    assert "text_encoders 4,022,468,096" in params  # Qwen3-4B
+    assert transformer in params and text_encoders in params
     verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
 
