@@ -15,8 +15,10 @@ if [[ " $LANES " == *" test-vllm "* || " $LANES " == *" test-triton36 "* ]]; the
     (make vllm-setup triton36-setup > build/side-venvs.log 2>&1) &
     side_pid=$!
 fi
-declare -A STATUS SECS
+declare -A STATUS SECS FREE
 FAILED=0
+free_gib() { df -P -k . | awk 'NR==2 {printf "%.1f", $4 / 1048576}'; }
+echo "lanes: $(free_gib) GiB free on this disk at the start"
 for lane in $LANES; do
     t0=$(date +%s)
     if [[ ( $lane == test-vllm || $lane == test-triton36 ) && -n $side_pid ]]; then
@@ -37,14 +39,15 @@ for lane in $LANES; do
     [[ $lane == test-cluster ]] && bash tests/cluster/netns.sh down
     [[ $lane == test-slurm ]] && bash tests/slurm/slurm.sh down
     SECS[$lane]=$(( $(date +%s) - t0 ))
+    FREE[$lane]=$(free_gib)
 done
 TOTAL=$(( $(date +%s) - START ))
 echo
-printf '%-16s %-8s %8s\n' lane status seconds
+printf '%-16s %-8s %8s %12s\n' lane status seconds "GiB free"
 json="{"
 for lane in $LANES; do
-    printf '%-16s %-8s %8s\n' "$lane" "${STATUS[$lane]:-not run}" "${SECS[$lane]:-0}"
-    json+="\"$lane\": {\"status\": \"${STATUS[$lane]:-not run}\", \"seconds\": ${SECS[$lane]:-0}}, "
+    printf '%-16s %-8s %8s %12s\n' "$lane" "${STATUS[$lane]:-not run}" "${SECS[$lane]:-0}" "${FREE[$lane]:--}"
+    json+="\"$lane\": {\"status\": \"${STATUS[$lane]:-not run}\", \"seconds\": ${SECS[$lane]:-0}, \"free_gib\": ${FREE[$lane]:-null}}, "
 done
 printf '%-16s %-8s %8s\n' total "" "$TOTAL"
 echo "${json}\"total_seconds\": $TOTAL, \"load_average\": \"$(cut -d' ' -f1-3 /proc/loadavg)\"}" > build/lanes.json
