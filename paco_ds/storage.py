@@ -80,11 +80,12 @@ def storage_failure(err: BaseException, path: Path, run_dir: Path | None = None)
     path = Path(path)
     for e in _causes(err):
         where = _written_file(e, path, run_dir)
+        # A full disk first: the run directory may never have been made (its mkdir is what failed)
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return StorageError(f"no space left on device writing {where} ({e.strerror}; {_free(where)})")
         if run_dir is not None and not Path(run_dir).is_dir():
             return StorageError(f"the run directory {run_dir} was deleted while the run was writing to it "
                                 f"({where}); nothing more can be saved there")
-        if isinstance(e, OSError) and e.errno in NO_SPACE:
-            return StorageError(f"no space left on device writing {where} ({e.strerror}; {_free(where)})")
         if isinstance(e, FileNotFoundError) and run_dir is not None and Path(run_dir) in where.parents:
             return StorageError(f"{where.parent} disappeared while the run was writing {where.name} into it")
         gone = _PARENT_GONE.search(str(e)) if isinstance(e, RuntimeError) else None

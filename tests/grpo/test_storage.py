@@ -4,6 +4,7 @@ The errors are real: /dev/full answers every write with ENOSPC, and a 256 KiB tm
 private mount namespace (`unshare -m`) is a disk that fills up. The real-process runs (2 ZeRO-3
 ranks writing into a full disk, a run directory deleted mid-run) are in tests/grpo/test_stop.py.
 """
+import errno
 import json
 import shutil
 import subprocess
@@ -51,6 +52,15 @@ def test_a_deleted_run_directory_is_named(tmp_path):
     failure = storage_failure(err, run, run)
     assert failure is not None and f"the run directory {run} was deleted" in str(failure)
     assert "epoch_0001.png" in str(failure)
+
+
+def test_a_full_disk_is_not_taken_for_a_deleted_run_directory(tmp_path):
+    """The run directory's own mkdir can be what the full disk refused: it never existed."""
+    run = tmp_path / "run"
+    err = OSError(errno.ENOSPC, "No space left on device", str(run))
+    failure = storage_failure(err, run, run)
+    assert failure is not None and f"no space left on device writing {run}" in str(failure)
+    assert "deleted" not in str(failure)
 
 
 def test_other_errors_keep_their_traceback(tmp_path):
