@@ -1,5 +1,5 @@
-"""PPO-clip, GRPO-Guard, Flow-GRPO-Fast, DiffusionNFT, AWM, online DPO, CPS sampling and MixGRPO-Flash on the
-tiny T2IS recipe, same images.
+"""PPO-clip, GRPO-Guard, Flow-GRPO-Fast, DiffusionNFT, AWM, online DPO, DGPO, CPS sampling and MixGRPO-Flash
+on the tiny T2IS recipe, same images.
 
 Every method runs the real trainer (deepspeed launcher, 2 ZeRO-3 CPU processes) from its tiny
 recipe with one learnable reward, jpeg_compressibility, the same seeds, the same prompts per epoch,
@@ -12,13 +12,21 @@ time/epoch: sampling + reward + training, no start-up, no eval). Prints a table,
 benchmarks/results/loss_compare_cpu.json and the reward-vs-images curves (mean +- std over seeds)
 as loss_compare_cpu.png.
 
-    python benchmarks/loss_compare.py                      # 8 methods x 3 seeds, about 40 min on 2 cores
+    python benchmarks/loss_compare.py                      # 9 methods x 3 seeds, about 45 min on 2 cores
     python benchmarks/loss_compare.py --methods awm --merge  # one method, merged into the results file
 
 `--merge` runs only the given methods and replaces their runs in the existing results (the other
 methods' runs are kept, so every method still has the same seeds, epochs and images; settings
 that differ are refused); the table and figure are rebuilt from all runs, and each part's command,
 date and machine are kept under "parts".
+
+    python benchmarks/loss_compare.py --full-scale         # each method's full-size FLUX recipe, counted
+
+`--full-scale` trains nothing: per method it runs the GPU plan (paco_ds/gpu_plan: the real code path
+of a rollout and a trained micro-step on fake CUDA tensors, FLOPs by torch.utils.flop_counter) on
+the method's full-size FLUX.1-dev T2IS recipe (FULL_SCALE), 8 ranks of 80 GiB, and writes the model
+FLOPs per sampled image (sampling, training), the transformer calls and forward-equivalents per
+image and the memory verdict to benchmarks/results/loss_compare_full_scale.json (about 30 s each).
 """
 from __future__ import annotations
 
@@ -44,10 +52,29 @@ METHODS = {  # name -> (tiny recipe, extra --set)
     "nft": ("configs/tiny/t2is_nft.yaml", ()),
     "awm": ("configs/tiny/t2is_awm.yaml", ()),
     "dpo": ("configs/tiny/t2is_dpo.yaml", ()),
+    "dgpo": ("configs/tiny/t2is_dgpo.yaml", ()),
     "cps": ("configs/tiny/t2is_cps.yaml", ()),
     "mixgrpo_flash": ("configs/tiny/t2is_mixgrpo_flash.yaml", ()),
 }
 REWARD = "jpeg_compressibility"
+
+# The same methods at full size: FLUX.1-dev on PaCo's T2IS recipe (512 px, 10 steps, k = 16), the
+# method's own full-size recipe where there is one, else flux_t2is.yaml with the tiny recipe's
+# switches. The shipped tiny prompts stand in for PaCo's files (the shapes come from the recipe).
+ODE = ("sample.noise_level=0", "sample.noise_steps=[]", "sample.same_latent=false")
+FULL_SCALE = {
+    "ppo_clip": ("configs/flux_t2is.yaml", ()),
+    "grpo_guard": ("configs/flux_t2is_guard.yaml", ()),
+    "fast_window": ("configs/flux_t2is_fast.yaml", ()),
+    "nft": ("configs/flux_t2is_nft.yaml", ()),
+    "awm": ("configs/flux_t2is.yaml", (*ODE, "train.loss=awm")),
+    "dpo": ("configs/flux_t2is.yaml", (*ODE, "train.loss=dpo", "train.batch_size=16", "train.timesteps=[1, 3]")),
+    "dgpo": ("configs/flux_t2is.yaml", (*ODE, "train.loss=dgpo", "train.batch_size=16")),
+    "cps": ("configs/flux_t2is.yaml", ("sample.sde_type=cps", "sample.noise_level=0.8")),
+    "mixgrpo_flash": ("configs/flux_t2is_mixgrpo_flash.yaml", ()),
+}
+PLAN_DATA = ("data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
+             "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8")
 
 
 def run_one(method: str, seed: int, args, root: Path) -> dict:
@@ -90,8 +117,11 @@ def main() -> None:
     p.add_argument("--last", type=int, default=2, help="reward after N images: mean over the last LAST epochs")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--merge", action="store_true", help="replace only these methods' runs in the existing results")
+    p.add_argument("--full-scale", action="store_true", help="count each method's full-size recipe (GPU plan), no runs")
     args = p.parse_args()
     started = machine()
+    if args.full_scale:
+        return full_scale(args.methods, Path(args.out), started)
     out = Path(args.out)
     previous = _previous(out / "loss_compare_cpu.json", args) if args.merge else None
     ran = list(args.methods)
@@ -155,6 +185,44 @@ def main() -> None:
         info["parts"] = parts + [{"methods": ran, "command": command, "machine": started,
                                   "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
     print(f"wrote {write_report('loss_compare_cpu', info, out, started)} and {png}")
+
+
+def full_scale(methods: list[str], out: Path, started: dict) -> None:
+    """Each method's full-size recipe planned on fake CUDA tensors: FLOPs per sampled image."""
+    from paco_ds.gpu_plan.plan import SAMPLING, TRAINING, gpu_plan
+    from paco_ds.grpo.plan import load_config
+
+    rows = []
+    for m in methods:
+        recipe, sets = FULL_SCALE[m]
+        cfg = load_config(REPO / recipe, [*PLAN_DATA, *sets])
+        plan = gpu_plan(cfg, 8, 80)
+        fwd = plan.flops_detail["transformer_forward"]
+        sampling, training = plan.flops[SAMPLING], plan.flops[TRAINING]
+        note = None
+        if m == "dpo":
+            # The plan's micro-step trains every row it is given; DPO trains 2 rows of a group of k
+            # (its best and worst sample, each with the reference's forward and the policy's).
+            training *= 2 / cfg.sample.group_size
+            note = f"training counted for 2 of every {cfg.sample.group_size} samples (one pair per group)"
+        rows.append({"method": m, "recipe": recipe, "sets": list(sets),
+                     "transformer_calls_per_image": plan.counts["transformer_calls_per_image"],
+                     "trained_steps_per_sample": plan.counts["trained_steps_per_sample"],
+                     "tflops_per_image": {"sampling": sampling / 1e12, "training": training / 1e12,
+                                          "total": (sampling + training) / 1e12},
+                     "transformer_forward_tflops": fwd / 1e12,
+                     "forward_equivalents_per_image": (sampling + training) / fwd,
+                     "peak_gib": max(plan.total(p) for p in plan.memory) / 2 ** 30, "fits_8x80": plan.fits,
+                     "note": note})
+        r = rows[-1]
+        print(f"{m:14s} calls/img {r['transformer_calls_per_image']:>4} trained steps {r['trained_steps_per_sample']:>2} "
+              f"TFLOPs/img sampling {r['tflops_per_image']['sampling']:7.1f} training {r['tflops_per_image']['training']:7.1f}"
+              f" total {r['tflops_per_image']['total']:7.1f} ({r['forward_equivalents_per_image']:.1f} forwards) "
+              f"peak {r['peak_gib']:.1f} GiB", flush=True)
+    info = {"what": "model FLOPs per sampled image at full size (FLUX.1-dev, PaCo's T2IS recipe, 8 x 80 GiB), "
+                    "counted on the real code path on fake CUDA tensors (paco_ds/gpu_plan); rewards and judge "
+                    "excluded (the same for every method)", "world_size": 8, "gpu_gib": 80, "methods": rows}
+    print(f"wrote {write_report('loss_compare_full_scale', info, out, started)}")
 
 
 def _previous(path: Path, args) -> dict:

@@ -323,7 +323,14 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     dec = counter.per_call("decode") / b
     micro = counter.per_call("micro_step") / len(batch)
     trained = len(cfg.train_timesteps) * cfg.train.num_inner_epochs
-    calls = len(plan_for(cfg))  # transformer calls per image: fewer under sample.ode_steps (a group's shared prefix aside)
+    # transformer calls per image: fewer under sample.ode_steps (a group's shared prefix aside); a
+    # sliding window (MixGRPO) moves the plan with it, so the mean over the places it visits in turn
+    win = cfg.sample.sde_window
+    if win is not None and win.schedule == "sliding":
+        places = range(win.range[0], win.range[1] - win.size + 1)
+        calls = sum(len(plan_for(cfg, at)) for at in places) / len(places)
+    else:
+        calls = len(plan_for(cfg))
     flops = {SAMPLING: enc + calls * fwd + dec, SCORING: reward_flops / b, TRAINING: micro * trained}
     detail = {"transformer_forward": fwd, "prompt_encode": counter.per_call("encode_prompts") / b,
               "condition_encode": counter.per_call("encode_condition") / b if "encode_condition" in counter.calls

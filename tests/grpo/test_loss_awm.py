@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from stub_policy import LinearVelocity, StubBatch, StubPolicy
+from stub_policy import StubBatch, stub_loss
 from paco_ds.grpo.losses.awm import (AWM, anchor_decay, continuous_time, matching_log_prob, scaled_advantages,
                               stratum_step)
 from paco_ds.grpo.plan import load_config
@@ -89,12 +89,7 @@ def _batch(adv):
 
 
 def _loss(*sets):
-    cfg = load_config(RECIPE, list(sets))
-    policy, module = StubPolicy(), LinearVelocity(0.3)
-    loss = AWM(cfg, policy)
-    loss.setup([module.w])
-    loss.begin_epoch(0)
-    return loss, policy, module
+    return stub_loss(AWM, RECIPE, 0.3, None, *sets)[:3]
 
 
 def _grad(loss, module, batch, t):

@@ -23,7 +23,7 @@ def _error(recipe: str, sets: list[str]) -> str:
     return msg
 
 
-@pytest.mark.parametrize("loss", ["ppo", "nft", "awm", "dpo"])
+@pytest.mark.parametrize("loss", ["ppo", "nft", "awm", "dpo", "dgpo"])
 def test_an_unknown_key_in_a_loss_section_is_refused_naming_it(loss):
     assert f"unknown config key 'train.{loss}.clip_rang'" in _error(TINY, [f"train.{loss}.clip_rang=0.1"])
 
@@ -68,7 +68,7 @@ def test_a_loss_outside_paco_ds_brings_its_own_section():
     # Without that loss, its section is an unknown key like any other.
     assert "unknown config key 'train.reinforce'" in _error(TINY, ["train.reinforce={scale: 2}"])
     # The schema names no loss: the sections come from the registry when a recipe is loaded.
-    assert not {"ppo", "nft", "awm", "dpo", "reinforce"} & set(config.TrainConfig.model_fields)
+    assert not {"ppo", "nft", "awm", "dpo", "dgpo", "reinforce"} & set(config.TrainConfig.model_fields)
     assert not re.search(r"\b(ppo|nft|awm|dpo|reinforce)\b", Path(config.__file__).read_text(), re.I)
 
 

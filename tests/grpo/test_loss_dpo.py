@@ -1,20 +1,25 @@
 """Online Diffusion-DPO (paco_ds/grpo/losses/dpo.py): the pairing inside a micro-batch, the loss
-against the paper's formula computed here another way, its limiting cases and the direction of its
-gradient, the seeded noise a resume draws again, and the recipe's cross-checks."""
+against the paper's formula computed here another way and against Flow-Factory's code on the same
+tensors, its limiting cases and the direction of its gradient, the seeded noise a resume draws
+again, and the recipe's cross-checks."""
+import logging
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from stub_policy import LinearVelocity, StubBatch, StubPolicy
+from stub_policy import LinearVelocity, grouped_batch, stub_loss
 from paco_ds.grpo.losses.dpo import DPO, best_worst_pairs, dpo_loss
 from paco_ds.grpo.plan import load_config
-from paco_ds.models.base import TextEmbeds
 from paco_ds.sampling.trajectory import make_generator
 
 pytestmark = pytest.mark.fast
 
 RECIPE = "configs/tiny/t2is_dpo.yaml"
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ pairing
@@ -53,26 +58,13 @@ def test_dpo_loss_is_the_papers_formula():
     assert same.tolist() == pytest.approx([math.log(2)] * 5)
 
 
-def _batch(adv, groups, x_final=None, keep=None):
-    n = len(adv)
-    x = torch.randn(n, 4, 2, generator=torch.Generator().manual_seed(1)) if x_final is None else x_final
-    return StubBatch(x_final=x, positions=[10 + i for i in range(n)], group_ids=list(groups), height=64, width=64,
-                  embeds=TextEmbeds(torch.zeros(n, 1, 1)), condition=None, advantages=torch.tensor(adv),
-                  keep=torch.ones(n, dtype=torch.bool) if keep is None else torch.tensor(keep))
-
-
 def _loss(w=0.3, base=0.3, *sets):
-    cfg = load_config(RECIPE, ["train.dpo.beta=10", *sets])
-    policy, module = StubPolicy(), LinearVelocity(w, base)
-    loss = DPO(cfg, policy)
-    loss.setup([module.w])
-    loss.begin_epoch(0)
-    return loss, policy, module, cfg
+    return stub_loss(DPO, RECIPE, w, base, "train.dpo.beta=10", *sets)
 
 
 def test_the_loss_on_a_micro_batch_matches_the_formula_by_hand():
     loss, policy, module, cfg = _loss(0.4, 0.1)
-    batch = _batch([1.0, -1.0, 0.5, 2.0, -2.0], [0, 0, 1, 1, 2])
+    batch = grouped_batch([1.0, -1.0, 0.5, 2.0, -2.0], [0, 0, 1, 1, 2])
     value, stats = loss(module, batch, 1)
     assert module.forwards == 2 and stats["dpo_pairs"] == 2.0  # group 2 alone
     sigma = float(torch.linspace(1.0, 0.0, cfg.sample.num_steps + 1)[cfg.train_timesteps[1]])
@@ -93,19 +85,126 @@ def test_the_loss_on_a_micro_batch_matches_the_formula_by_hand():
     assert torch.allclose(x_t[0] - (1 - sigma) * batch.x_final[0], x_t[2] - (1 - sigma) * batch.x_final[1], atol=1e-6)
 
 
+# ------------------------------------------------- Flow-Factory's online DPO on the same tensors
+# X-GenGroup/Flow-Factory, src/flow_factory/trainers/dpo.py: `_form_pairs_from_advantages` (its body as
+# published) and the loss lines of `optimize`, from the noised latents to `loss`, verbatim; the
+# adapter's forward is the stub module, the reference forward the module with its base weight.
+class BaseSample(SimpleNamespace):
+    pass
+
+
+class DPOTrainer:
+    @staticmethod
+    def _get_advantage(sample: BaseSample) -> float:
+        """Extract scalar advantage from a sample."""
+        adv = sample.extra_kwargs['advantage']
+        return adv.item() if hasattr(adv, 'item') else float(adv)
+
+    @staticmethod
+    def _form_pairs_from_advantages(samples):
+        # Build group mapping from unique_id
+        unique_ids = np.array([s.unique_id for s in samples], dtype=np.int64)
+        _, group_indices = np.unique(unique_ids, return_inverse=True)
+
+        # Extract advantage values
+        advantages = np.array(
+            [DPOTrainer._get_advantage(s) for s in samples],
+            dtype=np.float64,
+        )
+
+        pairs = []
+        for gid in np.unique(group_indices):
+            mask = np.where(group_indices == gid)[0]
+            if len(mask) < 2:
+                logger.warning(f"Group {gid} has less than 2 samples, skipping pair formation.")
+                continue
+            group_adv = advantages[mask]
+            best = mask[np.argmax(group_adv)]
+            worst = mask[np.argmin(group_adv)]
+            pairs.append((samples[best], samples[worst]))
+        return pairs
+
+
+def to_broadcast_tensor(value, like):
+    return value.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def flow_factory_dpo_loss(chosen_latents, rejected_latents, sigma, noise, forward, ref_forward, beta):
+    sigma_broadcast = to_broadcast_tensor(sigma, chosen_latents)
+
+    # Noise both at same σ: x_t = (1 - σ) * x_0 + σ * noise
+    noised_chosen = (1 - sigma_broadcast) * chosen_latents + sigma_broadcast * noise
+    noised_rejected = (1 - sigma_broadcast) * rejected_latents + sigma_broadcast * noise
+
+    # Policy forward
+    theta_w_pred = forward(noised_chosen)
+    theta_l_pred = forward(noised_rejected)
+
+    # Reference forward (frozen)
+    with torch.no_grad():
+        ref_w_pred = ref_forward(noised_chosen)
+        ref_l_pred = ref_forward(noised_rejected)
+
+    # MSE errors per sample — target is flow-matching velocity (noise - x_0), same as
+    # flow_grpo train_sd3_dpo.py: target = noise - model_input
+    target_w = noise - chosen_latents
+    target_l = noise - rejected_latents
+    spatial_dims = tuple(range(1, theta_w_pred.ndim))
+    theta_w_err = ((theta_w_pred.float() - target_w.float()) ** 2).mean(dim=spatial_dims)
+    theta_l_err = ((theta_l_pred.float() - target_l.float()) ** 2).mean(dim=spatial_dims)
+    ref_w_err = ((ref_w_pred.float() - target_w.float()) ** 2).mean(dim=spatial_dims)
+    ref_l_err = ((ref_l_pred.float() - target_l.float()) ** 2).mean(dim=spatial_dims)
+
+    # DPO loss
+    w_diff = theta_w_err - ref_w_err
+    l_diff = theta_l_err - ref_l_err
+    w_l_diff = w_diff - l_diff
+    inside_term = -0.5 * beta * w_l_diff
+    loss = -F.logsigmoid(inside_term).mean()
+    return loss
+
+
+def test_pairs_loss_and_gradient_equal_flow_factorys_on_the_same_tensors():
+    adv = [0.8, -1.3, 0.1, 2.0, -0.7, 0.4, 1.1, -0.2]
+    groups = [3, 3, 3, 1, 1, 1, 8, 8]
+    batch = grouped_batch(adv, groups)
+    samples = [BaseSample(unique_id=g, extra_kwargs={"advantage": torch.tensor(a)}, row=i)
+               for i, (g, a) in enumerate(zip(groups, adv))]
+    theirs = {(w.row, l.row) for w, l in DPOTrainer._form_pairs_from_advantages(samples)}
+    pairs = best_worst_pairs(groups, adv, [True] * len(adv))
+    assert set(pairs) == theirs and len(pairs) == 3
+    # a tie: Flow-Factory pairs a sample with itself (inside term 0, loss log 2, no gradient); here no pair
+    tie = [BaseSample(unique_id=0, extra_kwargs={"advantage": 0.0}, row=i) for i in range(2)]
+    assert [(w.row, l.row) for w, l in DPOTrainer._form_pairs_from_advantages(tie)] == [(0, 0)]
+    assert best_worst_pairs([0, 0], [0.0, 0.0], [True, True]) == []
+
+    loss, _, module, cfg = _loss(0.45, 0.15)
+    ours, _ = loss(module, batch, 1)
+    (our_grad,) = torch.autograd.grad(ours, module.w)
+    sigma = float(torch.linspace(1.0, 0.0, cfg.sample.num_steps + 1)[cfg.train_timesteps[1]])
+    noise = torch.stack([torch.randn(4, 2, generator=make_generator(cfg.seed, "dpo", 0, 10 + w, 10 + l, 1, 0))
+                         for w, l in pairs])  # the pair's shared noise, as the loss draws it
+    ref = LinearVelocity(0.15)
+    value = flow_factory_dpo_loss(batch.x_final[[w for w, _ in pairs]], batch.x_final[[l for _, l in pairs]],
+                                  torch.full((len(pairs),), sigma), noise, module, ref, beta=10.0)
+    (their_grad,) = torch.autograd.grad(value, module.w)
+    assert ours.item() == pytest.approx(value.item(), rel=1e-6)
+    assert our_grad.item() == pytest.approx(their_grad.item(), rel=1e-5)
+
+
 def test_policy_equal_to_the_reference_or_equal_samples_give_log_2():
     loss, _, module, _ = _loss(0.3, 0.3)  # the adapter starts at zero: policy = reference
-    value, stats = loss(module, _batch([1.0, -1.0], [4, 4]), 0)
+    value, stats = loss(module, grouped_batch([1.0, -1.0], [4, 4]), 0)
     assert value.item() == pytest.approx(math.log(2)) and stats["dpo_accuracy"] == 0.0
     loss, _, module, _ = _loss(0.7, 0.1)
     twins = torch.ones(2, 4, 2)
-    value, _ = loss(module, _batch([1.0, -1.0], [4, 4], x_final=twins), 0)
+    value, _ = loss(module, grouped_batch([1.0, -1.0], [4, 4], x_final=twins), 0)
     assert value.item() == pytest.approx(math.log(2))
 
 
 def test_a_gradient_step_lowers_the_winners_error_against_the_losers():
     loss, _, module, _ = _loss(0.3, 0.3)
-    batch = _batch([1.0, -1.0, 0.2], [0, 0, 0])
+    batch = grouped_batch([1.0, -1.0, 0.2], [0, 0, 0])
     value, before = loss(module, batch, 0)
     value.backward()
     assert module.w.grad is not None and float(module.w.grad) != 0
@@ -120,7 +219,7 @@ def test_a_gradient_step_lowers_the_winners_error_against_the_losers():
 def test_without_a_pair_the_step_runs_both_forwards_and_trains_nothing():
     loss, _, module, _ = _loss(0.5, 0.1)
     # a group of one, and a group whose other sample is a filler
-    batch = _batch([1.0, 2.0, -2.0], [0, 1, 1], keep=[True, True, False])
+    batch = grouped_batch([1.0, 2.0, -2.0], [0, 1, 1], keep=[True, True, False])
     value, stats = loss(module, batch, 0)
     value.backward()
     assert module.forwards == 2 and stats["dpo_pairs"] == 0.0
@@ -129,14 +228,14 @@ def test_without_a_pair_the_step_runs_both_forwards_and_trains_nothing():
 
 def test_kl_reuses_the_two_forwards():
     loss, _, module, _ = _loss(0.5, 0.1, "train.kl_beta=0.5")
-    _, stats = loss(module, _batch([1.0, -1.0], [0, 0]), 0)
+    _, stats = loss(module, grouped_batch([1.0, -1.0], [0, 0]), 0)
     assert module.forwards == 2 and stats["kl"] > 0
 
 
 def test_a_resumed_epoch_draws_the_same_noise():
     loss, policy, module, _ = _loss(0.5, 0.1, "train.dpo.timestep_sampling=uniform", "train.timesteps=null",
                                     "train.dpo.num_timesteps=2", "train.dpo.t_min=0.2", "train.dpo.t_max=0.8")
-    batch = _batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1])
+    batch = grouped_batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1])
     loss(module, batch, 0)
     state = loss.epoch_state()
     first, _ = loss(module, batch, 1)
@@ -184,8 +283,8 @@ def test_the_epochs_pair_statistics_are_per_pair_not_per_micro_step():
     import numpy as np
 
     loss, _, module, _ = _loss(0.5, 0.1)
-    two = loss(module, _batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1]), 0)[1]
-    none = loss(module, _batch([1.0, 2.0, -2.0], [0, 1, 1], keep=[True, True, False]), 0)[1]
+    two = loss(module, grouped_batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1]), 0)[1]
+    none = loss(module, grouped_batch([1.0, 2.0, -2.0], [0, 1, 1], keep=[True, True, False]), 0)[1]
     assert two["dpo_pairs"] == 2.0 and none["dpo_pairs"] == 0.0
     per_pair_inside = two["dpo_inside"] / 2
     out = {f"train/{k}": float(np.mean([two[k], none[k]])) for k in two}  # as the trainer averages micro-steps

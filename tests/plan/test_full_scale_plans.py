@@ -195,3 +195,34 @@ def test_the_nft_recipe_is_planned_with_its_old_policy():
     plan = _plan("flux_t2is_nft.yaml", T2IS_DATA)
     assert plan.fits, plan.to_json()["verdict"]
     assert plan.flops["training"] > 0
+
+
+def test_the_loss_comparison_counts_dpo_dgpo_and_mixgrpo_flash_at_full_size(tmp_path):
+    # benchmarks/loss_compare.py --full-scale: each method's full-size recipe planned. DGPO trains
+    # every sample at each drawn step (the reference's forward and the policy's); DPO only the pair
+    # of each group of k, so its training FLOPs per image are 2/k of the plan's per-row count.
+    import json
+    import sys
+
+    from paco_ds.grpo.plan import load_config
+    from paco_ds.sampling.solver import plan_for
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import loss_compare
+
+    loss_compare.full_scale(["dgpo", "dpo", "mixgrpo_flash"], tmp_path, {})
+    rows = {r["method"]: r for r in json.loads((tmp_path / "loss_compare_full_scale.json").read_text())["methods"]}
+    # MixGRPO-Flash's rollout plan moves with its window: the calls are the mean over its places
+    cfg = load_config(REPO / "configs/flux_t2is_mixgrpo_flash.yaml", list(loss_compare.PLAN_DATA))
+    win = cfg.sample.sde_window
+    calls = [len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)]
+    assert rows["mixgrpo_flash"]["transformer_calls_per_image"] == pytest.approx(sum(calls) / len(calls))
+    assert rows["mixgrpo_flash"]["transformer_calls_per_image"] < 10
+    dgpo, dpo = rows["dgpo"], rows["dpo"]
+    assert dgpo["fits_8x80"] and dpo["fits_8x80"]
+    assert dgpo["transformer_calls_per_image"] == dpo["transformer_calls_per_image"] == 10  # an ODE rollout
+    assert dgpo["trained_steps_per_sample"] == 4 and dpo["trained_steps_per_sample"] == 2
+    # per trained step and sample the two losses run the same forwards (reference + policy)
+    per_step = dgpo["tflops_per_image"]["training"] / 4
+    assert dpo["tflops_per_image"]["training"] == pytest.approx(per_step * 2 * 2 / 16, rel=1e-6)
+    assert per_step > 2.5 * dgpo["transformer_forward_tflops"]  # a forward without grad, one with, a backward

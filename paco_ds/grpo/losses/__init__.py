@@ -5,6 +5,7 @@ declared beside it.
 - `nft`  paco_ds/grpo/losses/nft.py  DiffusionNFT (arXiv 2509.16117)
 - `awm`  paco_ds/grpo/losses/awm.py  Advantage Weighted Matching (arXiv 2509.25050)
 - `dpo`  paco_ds/grpo/losses/dpo.py  online Diffusion-DPO on each group's best and worst (arXiv 2311.12908)
+- `dgpo` paco_ds/grpo/losses/dgpo.py Direct Group Preference Optimization (arXiv 2510.08425)
 
 A loss outside paco_ds is given as "module:Class" (a subclass of base.Loss); its `section`, if it
 declares one, is its recipe keys under train.<its name>, checked like a built-in loss's.
@@ -21,6 +22,7 @@ LOSSES: dict[str, str] = {
     "nft": "paco_ds.grpo.losses.nft:NFT",
     "awm": "paco_ds.grpo.losses.awm:AWM",
     "dpo": "paco_ds.grpo.losses.dpo:DPO",
+    "dgpo": "paco_ds.grpo.losses.dgpo:DGPO",
 }
 DEFAULT_LOSS = "ppo"
 

@@ -7,7 +7,7 @@ Flow-GRPO's per-step Gaussian log-prob is the same matching loss with a noisy ta
 instead of x0), hence its higher variance; AWM keeps the clean target.
 
 As in the authors' code (scxue/advantage_weighted_matching, scripts/train_sd3_awm.py) and
-Flow-Factory's trainer (X-GenGroup/Flow-Factory, src/flow_factory/trainers/rl/awm.py):
+Flow-Factory's trainer (X-GenGroup/Flow-Factory, src/flow_factory/trainers/awm.py):
 - the weighted matching error is read as a log-likelihood, log p = -w(t, mse);
 - with `clip_range`, the loss is PPO-clip on exp(log p - log p_old), log p_old from the weights that
   sampled: with one optimizer step per epoch (the authors' recipes) it is the current value (ratio

@@ -10,7 +10,7 @@ to lower its velocity-matching error on the winner relative to the reference mor
 averaged over the micro-batch's pairs. This is the paper's Eq. 14 with the epsilon-prediction error
 replaced by the velocity error, the constant T omega(lambda_t) folded into beta, and the
 `-0.5 * beta` scale of the authors' code (SalesforceAIResearch/DiffusionDPO, train.py); it is also
-Flow-Factory's online `dpo` trainer (X-GenGroup/Flow-Factory, src/flow_factory/trainers/rl/dpo.py:
+Flow-Factory's online `dpo` trainer (X-GenGroup/Flow-Factory, src/flow_factory/trainers/dpo.py:
 best-vs-worst pairs per group, shared noise and t, target noise - x0, the same inside term).
 
 Pairing. The trainer shuffles an epoch's samples into micro-batches and the sampler spreads a
