@@ -358,6 +358,9 @@ class RolloutDeepSpeedSection(DeepSpeedSection):
     # ZeRO-3 rollouts: gather the transformer once for the whole sampling phase ("once"), or let
     # every denoising step gather and release it as a training forward does ("per_step").
     rollout_gather: Literal["once", "per_step"] = "once"
+    # ZeRO-3 training steps through DeepSpeed's engine.compile(): torch.compile of the whole transformer,
+    # broken at every module's ZeRO-3 hooks (paco_ds/models/compile.py; docs/benchmarks.md measures it)
+    engine_compile: bool = False
 
 
 class WandbConfig(Section):

@@ -83,7 +83,8 @@ _PINNED = -7
 
 @contextlib.contextmanager
 def gathered_for_phase(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """Gather a ZeRO-3 module's parameters once and keep them gathered until the block ends.
+    """Gather a ZeRO-3 module's parameters once and keep them gathered until the block ends; within
+    it the module runs as a plain torch module, without DeepSpeed's forward hooks.
 
     Sampling runs the transformer many times (every denoising step of every batch): without this,
     ZeRO-3 all-gathers and frees the whole model around each forward. `GatheredParameters` alone
@@ -91,6 +92,11 @@ def gathered_for_phase(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     unless it is listed in `ds_active_sub_modules` (DeepSpeed's private per-parameter set, read by
     its release path); the pin adds a sentinel there for the phase. tests/models/test_zero3_pin.py fails
     if a DeepSpeed upgrade changes that behaviour.
+
+    With every parameter whole, DeepSpeed's per-module hooks have nothing left to do (fetch, release,
+    trace for prefetching, mark backward boundaries for a phase without grad), so they are lifted
+    for the phase: a forward costs no Python per sub-module, the prefetch trace records training
+    forwards only, and a compiled block traces plain torch (models/compile.py).
     """
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
@@ -99,10 +105,36 @@ def gathered_for_phase(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         for p in params:
             p.ds_active_sub_modules.add(_PINNED)
         try:
-            yield module
+            with without_deepspeed_hooks(module):
+                yield module
         finally:
             for p in params:
                 p.ds_active_sub_modules.discard(_PINNED)
+
+
+def _from_deepspeed(hook) -> bool:
+    return (getattr(hook, "__module__", None) or "").startswith("deepspeed.")
+
+
+@contextlib.contextmanager
+def without_deepspeed_hooks(module: torch.nn.Module) -> Iterator[int]:
+    """Take the forward (pre-)hooks DeepSpeed registered (its ZeRO-3 fetch/release/backward-marking
+    hooks and the engine's prologue/epilogue) off `module` and its sub-modules for the block; yields
+    how many. They go back in their order, so the hook handles DeepSpeed keeps stay valid."""
+    lifted = []
+    for m in module.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            if any(_from_deepspeed(h) for h in hooks.values()):
+                lifted.append((hooks, list(hooks.items())))
+                for key in [k for k, h in hooks.items() if _from_deepspeed(h)]:
+                    del hooks[key]
+    try:
+        yield sum(len(saved) - len(hooks) for hooks, saved in lifted)
+    finally:
+        for hooks, saved in lifted:
+            added = [(k, h) for k, h in hooks.items() if k not in dict(saved)]  # registered during the block
+            hooks.clear()
+            hooks.update(saved + added)
 
 
 def recipe_zero_stage(cfg) -> int:

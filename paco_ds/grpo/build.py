@@ -47,7 +47,7 @@ def adapted_policy(cfg: Config, device: torch.device, ds: dict):
     if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
         policy.transformer.enable_gradient_checkpointing()
     if cfg.model.compile:  # after LoRA: the compiled blocks trace the adapted layers
-        compile_blocks(policy.transformer)
+        compile_blocks(policy.transformer, gathered_phases_only=zero_stage(ds) == 3)
     return policy
 
 

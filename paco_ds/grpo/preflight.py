@@ -159,14 +159,18 @@ def check_lora_targets(cfg: Config) -> None:
 
 
 def check_compile(cfg: Config) -> None:
-    """model.compile under ZeRO-3 (paco_ds/models/compile.py says why it cannot run)."""
-    if not cfg.model.compile:
+    """model.compile under ZeRO-3 runs in the gathered sampling phase, deepspeed.engine_compile compiles
+    ZeRO-3's training steps (paco_ds/models/compile.py)."""
+    if not (cfg.model.compile or cfg.deepspeed.engine_compile):
         return
     from paco_ds.engine import recipe_zero_stage
-    from paco_ds.models.compile import ZERO3_REFUSAL
+    from paco_ds.models.compile import ENGINE_COMPILE_REFUSAL, ZERO3_PER_STEP_REFUSAL
 
-    if recipe_zero_stage(cfg) == 3:
-        raise ConfigError(ZERO3_REFUSAL)
+    zero3 = recipe_zero_stage(cfg) == 3
+    if cfg.model.compile and zero3 and cfg.deepspeed.rollout_gather == "per_step":
+        raise ConfigError(ZERO3_PER_STEP_REFUSAL)
+    if cfg.deepspeed.engine_compile and not zero3:
+        raise ConfigError(ENGINE_COMPILE_REFUSAL)
 
 
 def check_attention(cfg: Config) -> None:

@@ -38,6 +38,7 @@ from paco_ds.grpo.ema import EMA
 # EpochSamples: mid-epoch checkpoints written before it moved to epoch.py pickle it under this module.
 from paco_ds.grpo.epoch import EpochProgress, EpochSamples, epoch_line, micro_batches
 from paco_ds.grpo.export import export_adapter
+from paco_ds.models.compile import compile_counters
 from paco_ds.grpo.guards import NonfiniteGuard
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
@@ -68,6 +69,8 @@ class GRPOTrainer:
         self.engine = create_engine(self.policy.transformer, self.trainable, self.ds_config,
                                     lr=cfg.train.learning_rate, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
                                     eps=cfg.train.adam_epsilon, weight_decay=cfg.train.weight_decay)
+        if cfg.deepspeed.engine_compile:  # ZeRO-3 (preflight): the training steps through torch.compile
+            self.engine.compile()
         self.loss.setup(self.trainable)  # e.g. DiffusionNFT's old policy: a copy of the (partitioned) adapter
         self.ema = EMA(self.trainable, cfg.train.ema.decay, cfg.train.ema.update_interval) \
             if cfg.train.ema.enabled else None
@@ -145,6 +148,8 @@ class GRPOTrainer:
         metrics |= {"time/sample": t_sample, "time/reward_wait": t_reward, "time/train": t_train,
                     "time/epoch": time.perf_counter() - t0, "global_step": self.global_step,
                     "images_per_sec": self.plan.samples_per_epoch / (time.perf_counter() - t0)}
+        if self.cfg.model.compile or self.cfg.deepspeed.engine_compile:
+            metrics |= compile_counters()
         self.logger.log(metrics, step=self.epoch)
         self._print_epoch(metrics)
         self.epoch += 1

@@ -21,6 +21,7 @@ from paco_ds.data import PromptItem, read_references
 from paco_ds.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
+from paco_ds.models.compile import compiled_while_gathered
 from paco_ds.sampling.trajectory import Trajectory, make_generator, ode_prefix, sample_trajectories
 from paco_ds.sampling.solver import plan_for
 from paco_ds.sampling.window import rollout_steps, window_start
@@ -63,8 +64,8 @@ class Rollouts:
         was_training = transformer.training
         transformer.eval()
         try:
-            if self.gather_once:
-                with gathered_for_phase(transformer):
+            if self.gather_once:  # ZeRO-3: whole parameters, no DeepSpeed hooks, the compiled blocks if any
+                with gathered_for_phase(transformer), compiled_while_gathered(transformer):
                     yield transformer
             else:
                 yield self._module if self._module is not None else transformer

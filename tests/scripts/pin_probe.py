@@ -2,7 +2,8 @@
 
 Each rank writes pin_rank<r>.json into the given folder: the status of every parameter after each
 forward of a phase (pinned, and for contrast with GatheredParameters alone), after the phase,
-and whether the phase's outputs match the engine's own (per-forward gathering) outputs.
+whether the phase's outputs match the engine's own (per-forward gathering) outputs, and how many
+forward hooks the modules hold before, during (DeepSpeed's lifted) and after the phase.
 """
 import json
 import sys
@@ -28,6 +29,8 @@ def main(out_dir: Path) -> None:
                            weight_decay=0.0)
     params = list(model.parameters())
     status = lambda: [p.ds_status == ZeroParamStatus.AVAILABLE and p.numel() == p.ds_numel for p in params]  # noqa: E731
+    hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    hooks_before = hooks()
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         engine.eval()
@@ -35,10 +38,12 @@ def main(out_dir: Path) -> None:
         before = status()
         pinned, outputs = [], []
         with gathered_for_phase(model) as module:
+            hooks_in_phase = hooks()
             for _ in range(3):  # three "denoising steps" of one phase
                 outputs.append(module(x))
                 pinned.append(status())
         after = status()
+        hooks_after = hooks()
         unpinned = []
         with GatheredParameters(params):
             for _ in range(2):
@@ -46,7 +51,9 @@ def main(out_dir: Path) -> None:
                 unpinned.append(status())
     result = {"rank": dist.rank, "partitioned": [p.ds_tensor.numel() < p.ds_numel for p in params],
               "before": before, "pinned": pinned, "after": after, "unpinned": unpinned,
-              "outputs_match": all(torch.equal(o, expected) for o in outputs)}
+              "outputs_match": all(torch.equal(o, expected) for o in outputs),
+              "hooks": {"before": hooks_before, "in_phase": hooks_in_phase, "after": hooks_after,
+                        "modules": len(list(model.modules()))}}
     (out_dir / f"pin_rank{dist.rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
 
