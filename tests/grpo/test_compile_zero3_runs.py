@@ -1,11 +1,9 @@
 """model.compile under ZeRO-3 for real: 2 ZeRO-3 CPU processes of the tiny recipe, whose sampling
 phase (deepspeed.rollout_gather: once) runs the compiled blocks on the whole parameters with
 DeepSpeed's hooks lifted, and whose training steps run eager (paco_ds/models/compile.py)."""
-import math
-
 import pytest
 
-from distributed_runs import SHORT_RUN, TINY, metrics, resumes_exactly, run_trainer, tail
+from distributed_runs import TINY, resumes_exactly
 
 pytestmark = pytest.mark.runs
 
@@ -18,13 +16,7 @@ def test_compiled_sampling_under_zero3_has_no_graph_break_nor_recompile_after_th
     # epoch 1: new prompts and noise, the same shapes: nothing compiles again
     assert (second["compile/graphs"], second["compile/recompiles"]) == (first["compile/graphs"], first["compile/recompiles"])
 
-    proc = run_trainer(tmp_path / "eager", *SHORT_RUN, config=TINY)
-    assert proc.returncode == 0, tail(proc)
-    eager = [r for r in metrics(tmp_path / "eager") if "time/epoch" in r]
-    for c, e in zip(compiled, eager, strict=True):
-        assert "compile/graphs" not in e
-        # the compiled blocks' velocities are eager's to float tolerance (tests/models/test_compile.py), so
-        # the images and their rewards agree closely, and log pi_old from a compiled rollout is what the
-        # eager training step recomputes to about the same tolerance
-        assert math.isclose(c["reward/jpeg_compressibility/mean"], e["reward/jpeg_compressibility/mean"], rel_tol=1e-3)
-        assert abs(c["train/ratio_first"] - 1.0) < 1e-3
+    for r in compiled:
+        # log pi_old comes from the compiled rollout and training recomputes it eager: the compiled blocks'
+        # velocities are eager's to float tolerance (tests/models/test_compile.py), and so is the ratio
+        assert abs(r["train/ratio_first"] - 1.0) < 1e-4

@@ -118,3 +118,16 @@ def test_zero3_with_compile_passes_the_dry_run(tmp_path):
                        timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "model.compile" not in r.stderr
+
+
+@pytest.mark.fast
+def test_engine_compile_outside_zero3_is_refused_in_one_line(tmp_path):
+    """deepspeed.engine_compile compiles ZeRO-3's training steps; under stages 0-2 model.compile does that."""
+    args = [sys.executable, str(REPO / "launch/train.py"), "--config", str(TINY), "--dry-run"]
+    for s in (f"output_dir={tmp_path}", "deepspeed.engine_compile=true", "deepspeed.zero_stage=2"):
+        args += ["--set", s]
+    r = subprocess.run(args, cwd=REPO, env=cpu_env(MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "deepspeed.engine_compile" in line]
+    assert len(lines) == 1 and "ZeRO stage 3" in lines[0], r.stderr[-2000:]
