@@ -213,3 +213,29 @@ def test_the_gpu_lanes_round_trip_passes_on_the_cpu_in_fp32(family):
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4), ratio
     grads = [g for g in out["lora_grads"] if g is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("family, distilled", [("flux2", None), ("flux2_klein", True)])
+def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path, family, distilled):
+    """`load` from a local folder in the checkpoints' layout (transformer, vae, text_encoder,
+    tokenizer with its chat template, scheduler, model_index.json; here written from the tiny parts)
+    gives the tiny builder's policy; klein reads `is_distilled` from model_index.json."""
+    import json
+
+    from conftest import save_diffusers_layout
+    from paco_ds.models.tiny.flux2 import tiny_flux2_components, tiny_flux2_klein_components
+
+    build = tiny_flux2_components if family == "flux2" else tiny_flux2_klein_components
+    save_diffusers_layout(build(seed=0), tmp_path, ("transformer", "vae", "text_encoder", "tokenizer"))
+    (tmp_path / "model_index.json").write_text(json.dumps({"is_distilled": True}))
+    real = policy_class(family).load(_cfg(family).model_copy(update={"tiny": False, "path": str(tmp_path)}), CPU)
+    tiny = policy_class(family).load(_cfg(family), CPU)
+    assert real.shift == tiny.shift and real.shift.use_dynamic_shifting
+    assert getattr(real, "is_distilled", None) is distilled
+    e_real, e_tiny = real.encode_prompts(PROMPTS), tiny.encode_prompts(PROMPTS)
+    torch.testing.assert_close(e_real.prompt_embeds, e_tiny.prompt_embeds)
+    x = tiny.initial_latents(1, 48, 96, [make_generator(15)])
+    with torch.no_grad():  # (a distilled klein ignores the scale: the tiny base at 1 is the same forward)
+        torch.testing.assert_close(real.velocity(real.transformer, x, 0.5, e_tiny.select([0]), 48, 96, 4.0),
+                                   tiny.velocity(tiny.transformer, x, 0.5, e_tiny.select([0]), 48, 96,
+                                                 1.0 if distilled else 4.0))
