@@ -160,7 +160,8 @@ class Flux2Policy(PackedPolicy):
 
     @classmethod
     def options(cls, cfg) -> dict:
-        # The tiny text encoders read long prompts too (the byte-level system message alone is ~180 tokens).
+        # The tiny text encoders read long prompts too (with the byte-level tokenizer dev's system message and
+        # its tags alone are 173 tokens).
         return {"max_sequence_length": cfg.max_sequence_length}
 
     @staticmethod

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red cube on a blue sphere", "four panels of the same cat in different seasons, with snow"]
-MAX_SEQ = 224  # with the template: dev's system message and both prompts fit, klein's pad
+MAX_SEQ = 224  # with the template: dev's first prompt is padded (200 tokens), its second cut; klein's both padded
 FAMILIES = ("flux2", "flux2_klein")
 PIPELINES = {"flux2": tiny_flux2_pipeline, "flux2_klein": tiny_flux2_klein_pipeline}
 
