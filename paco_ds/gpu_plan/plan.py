@@ -345,6 +345,12 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     params = {"transformer": n_base + n_lora, "lora": n_lora,
               "text_encoders": sum(count(m) for m in encoders), "vae": count(policy.vae)}
     params["reward_models"] = int(getattr(mode, "reward_params", 0))
+    if encoders:
+        notes.append(f"text encoders ({params['text_encoders']:,} parameters, "
+                     f"{fro_s['text encoders'] / GiB:.1f} GiB): whole on every rank, not partitioned, while the "
+                     "epoch samples (each prompt encoded once, its embeddings cached with the rollout), parked in "
+                     "host memory for training (Policy.park_text_encoders); frozen and run once per prompt, they are "
+                     "not worth a ZeRO-3 gather of all their weights at every encode")
     return GpuPlan(recipe=str(cfg.source), family=family, world_size=world_size, gpu_gib=gpu_gib,
                    image_size=(h, w), dtype=str(dtype).replace("torch.", ""),
                    gradient_checkpointing=cfg.model.gradient_checkpointing, params=params, memory=memory, flops=flops,

@@ -12,6 +12,8 @@ from paco_ds.recipe import resolve
 POLICIES: dict[str, str] = {
     "flux": "paco_ds.models.flux:FluxPolicy",
     "flux_kontext": "paco_ds.models.flux_kontext:KontextPolicy",
+    "flux2": "paco_ds.models.flux2:Flux2Policy",
+    "flux2_klein": "paco_ds.models.flux2_klein:Flux2KleinPolicy",
     "qwen_image": "paco_ds.models.qwen_image:QwenImagePolicy",
     "qwen_image_edit": "paco_ds.models.qwen_image_edit:QwenEditPolicy",
     "qwen_image_edit_plus": "paco_ds.models.qwen_image_edit_plus:QwenEditPlusPolicy",

@@ -68,6 +68,9 @@ def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
     # Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B;
     # without the LoRA: 6,154,908,736
     ("z_image", "transformer 6,313,669,696, lora 158,760,960", "text_encoders 4,022,468,096"),
+    # FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B;
+    # without the LoRA: 9,078,581,248
+    ("flux2_klein", "transformer 9,221,187,584, lora 142,606,336", "text_encoders 8,190,735,360"),
 ])
 def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli(family, transformer, text_encoders):
     """A family's recipe on the paper's T2IS settings, planned on fake tensors from the CLI: the plan
@@ -81,6 +84,36 @@ def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_c
     assert transformer in params and text_encoders in params
     verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
+
+
+def _cli_plan(recipe: str, gib: int, *overrides: str) -> str:
+    args = [a for o in (*T2IS_DATA, *overrides) for a in ("--set", o)]
+    proc = run_cli("launch/train.py", "--config", f"configs/{recipe}", "--dry-run", "--world-size", "8",
+                   "--gpu-memory", str(gib), *args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_for_80():
+    """FLUX.2-dev's transformer (32.2B, diffusers' class on fake tensors from its published config) and
+    Mistral-Small-3.1 (24.0B, whole on every rank while sampling, parked for training) on the paper's
+    T2IS settings: they fit on 8 x 141 GiB; on 8 x 80 GiB the gathered transformer beside the text
+    encoder (sampling) and the activations (training) do not, and the verdict names the two keys that
+    fit it there, which the third plan sets."""
+    out = _cli_plan("flux2_t2is.yaml", 80)
+    assert "GPU plan per rank (flux2, 512x512, bfloat16, gradient checkpointing off" in out
+    params = next(line for line in out.splitlines() if line.startswith("parameters:"))
+    assert "transformer 32,531,562,496, lora 308,281,344" in params  # 32,223,281,152 without the LoRA
+    assert "text_encoders 24,011,361,280" in params  # Mistral-Small-3.1, its vision tower included
+    assert "note: text encoders (24,011,361,280 parameters, 44.7 GiB): whole on every rank" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: does not fit on 8 x 80 GiB"), verdict
+    assert "deepspeed.rollout_gather: per_step" in verdict and "model.gradient_checkpointing: true" in verdict
+    verdict = next(line for line in _cli_plan("flux2_t2is.yaml", 141).splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: fits on 8 x 141 GiB"), verdict
+    plan = _plan("flux2_t2is.yaml", T2IS_DATA + ["deepspeed.rollout_gather=per_step", "model.gradient_checkpointing=true"])
+    assert plan.fits, plan.to_json()["verdict"]
+    assert plan.memory["sampling"]["text encoders"] > 40 * GiB and plan.memory["training"]["text encoders"] == 0
 
 
 def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why():

@@ -7,6 +7,7 @@ build their tiny twins from here when a recipe sets `model.tiny`; one module per
 
 - flux.py: FLUX.1 (Kontext uses the same parts), and the reduced-depth, full-width FLUX folder
   of the benchmarks;
+- flux2.py: FLUX.2 [dev] (Mistral3) and [klein] (Qwen3);
 - sd3.py: Stable Diffusion 3.5;
 - qwen_image.py: Qwen-Image and Qwen-Image-Edit;
 - qwen_vl.py: Qwen2.5-VL, the PaCo-Reward judge's architecture (and Qwen-Image's text encoder);
