@@ -100,10 +100,12 @@ def measured_judge(path: Path = JUDGE_MEASURED) -> dict:
     """The reference's judge seconds per request over paco_ds's, as grpo_vs_reference.py --judge
     measured them at one served judge (server-side: generate wall + prepare CPU seconds per answered
     request), with where and how it was measured."""
-    r = json.loads(Path(path).read_text())
+    path = Path(path).resolve()
+    r = json.loads(path.read_text())
     j = r["judge"]
     ratios = j["ratios_reference_over_paco_ds"]
-    return {"source": str(Path(path).relative_to(REPO)), "command": r["command"], "date": r["date"],
+    source = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    return {"source": str(source), "command": r["command"], "date": r["date"],
             "load_average_at_start": r["machine"]["load_average_at_start"],
             "load_average_at_end": r["load_average_at_end"], "cpu_model": r["machine"]["cpu_model"],
             "shape": {k: r["config"][k] for k in ("resolution", "images", "group_size", "steps", "repeats")},
