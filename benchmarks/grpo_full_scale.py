@@ -16,7 +16,8 @@ peak 989 TFLOP/s), so the ratio depends only on the work and where it runs:
                  forwards (policy with grad, old and base without) that each re-encode the prompt
                  with T5-XXL and CLIP, and the policy's backward. The judge gets 57 requests per 2x2
                  image (the criteria loop repeats the six panel pairs) after all sampling, and the
-                 trainers wait for it (synchronous scoring).
+                 trainers wait for it (synchronous scoring); each of its requests costs the measured
+                 ratio below times paco_ds's.
   (b) paco_ds    the same recipe: one forward with grad per trained step on the cached embeddings
                  (beta = 0, log pi_old from sampling), one decode, six requests per 2x2 image
                  (deduplicated pairs) scored while sampling continues; two placements: the judge on
@@ -33,6 +34,18 @@ the loaded config; the reference and plain paco_ds take 10):
   + share_prefix     sample.same_latent + sample.share_prefix: a group's step before its first SDE
                      step walked once per group of k = 16: 9 + 1/16 forwards;
   + both             the two together: 4 + 1/16 forwards.
+
+Counted and measured in the judge's share: the requests per image are counted (57: panel pairs x
+non-empty criteria over the paper's T2IS training set, tests/rewards/test_consistency_reward.py; 6:
+the pairs once) and so are the FLOPs of one request. The judge's time per request of the reference
+against paco_ds's is MEASURED, by benchmarks/grpo_vs_reference.py --judge
+(benchmarks/results/grpo_vs_reference_judge_cpu.json): both request schedules against one served
+judge, the server's own seconds (generate wall + prepare CPU, from its /stats) per request it
+answered. Both send two panels and the same template-1 question, so the ratio is what the rest
+costs: JPEG against PNG data URIs, and how the requests arrive (24 at once per reward chunk after
+sampling, against 6 per rollout batch while sampling goes on) and so batch. The reference's judge
+FLOPs are scaled by it. The judge there is the tiny Qwen2.5-VL on CPU, not PaCo-Reward-7B on a GPU:
+the ratio is a measured proxy, not a GPU measurement.
 
 model.compile has no row here: regional torch.compile runs the same FLOPs faster (a higher MFU),
 so counted FLOPs cannot show it; its measured CPU speed-up is in docs/benchmarks.md
@@ -56,7 +69,9 @@ PEAK = 989e12  # H100 SXM, dense bf16 FLOP/s
 IMAGES = 42 * 16  # m x k of the T2IS recipe (m = 42 stays for 7 and 8 trainers)
 STEPS = 10
 TRAINED = 1  # trained steps per image (noise_steps [1])
-REF_REQUESTS, OUR_REQUESTS = 57, 6  # judge requests per 2x2 image
+REF_REQUESTS, OUR_REQUESTS = 57, 6  # judge requests per 2x2 image (counted)
+# the measured judge time per request, reference over paco_ds (benchmarks/grpo_vs_reference.py --judge)
+JUDGE_MEASURED = RESULTS / "grpo_vs_reference_judge_cpu.json"
 RECIPE = REPO / "configs" / "flux_t2is.yaml"
 # each exact rollout switch's sample.* overrides (a row per paco_ds placement)
 SWITCHES = {"": [], " + ode_steps 3": ["sample.ode_solver=ab2", "sample.ode_steps=3"],
@@ -81,6 +96,29 @@ def counted_flops() -> dict:
             "judge_request": judge_request_flops(256, 256), "plan_seconds": plan.seconds}
 
 
+def measured_judge(path: Path = JUDGE_MEASURED) -> dict:
+    """The reference's judge seconds per request over paco_ds's, as grpo_vs_reference.py --judge
+    measured them at one served judge (server-side: generate wall + prepare CPU seconds per answered
+    request), with where and how it was measured."""
+    path = Path(path).resolve()
+    r = json.loads(path.read_text())
+    j = r["judge"]
+    ratios = j["ratios_reference_over_paco_ds"]
+    source = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    return {"source": str(source), "command": r["command"], "date": r["date"],
+            "load_average_at_start": r["machine"]["load_average_at_start"],
+            "load_average_at_end": r["load_average_at_end"], "cpu_model": r["machine"]["cpu_model"],
+            "shape": {k: r["config"][k] for k in ("resolution", "images", "group_size", "steps", "repeats")},
+            "judge_model": j["model"],
+            "requests_per_image_measured": {"reference": j["reference"]["requests_per_image"],
+                                            "paco_ds": j["paco_ds"]["requests_per_image"]},
+            "busy_s_per_request": {"reference": j["reference"]["busy_s_per_request"],
+                                   "paco_ds": j["paco_ds"]["busy_s_per_request"]},
+            # what scales the reference's judge FLOPs per request
+            "time_per_request_ratio": ratios["busy_s_per_request"],
+            "generate_s_per_request_ratio": ratios["generate_s_per_request"]}
+
+
 def sampling_forwards(overrides: list[str]) -> float:
     """Transformer forwards per sampled image under the recipe with these sample.* overrides: the
     steps of its plan (the ODE-only stretches walked in at most ode_steps), and with a shared prefix
@@ -97,16 +135,17 @@ def sampling_forwards(overrides: list[str]) -> float:
     return prefix / cfg.sample.group_size + sum(1 for st in plan if st.i >= first)
 
 
-def schedules(f: dict, forwards: dict[str, float]) -> dict:
+def schedules(f: dict, forwards: dict[str, float], judge_ratio: float = 1.0) -> dict:
     """Work per epoch (FLOPs) on the trainers by phase, and on the judge, for each schedule;
-    `forwards`: sampling forwards per image for each rollout switch (SWITCHES)."""
+    `forwards`: sampling forwards per image for each rollout switch (SWITCHES); `judge_ratio`: the
+    reference's judge time per request over paco_ds's (measured_judge), applied to its judge FLOPs."""
     fwd, micro, enc, dec, rew, req = (f[k] for k in ("transformer_forward", "train_micro_step", "prompt_encode",
                                                      "vae_decode", "reward_models", "judge_request"))
     ref_train = TRAINED * (micro + 2 * fwd + 3 * enc)  # policy fwd+bwd, old and ref forwards, 3 encodes
     ours_train = TRAINED * micro
     out = {"reference": {"trainers": 7, "judges": 1, "overlap": False, "colocated": False,
                          "sample": IMAGES * (enc + STEPS * fwd + dec), "score_local": IMAGES * (dec + rew),
-                         "train": IMAGES * ref_train, "judge": IMAGES * REF_REQUESTS * req}}
+                         "train": IMAGES * ref_train, "judge": IMAGES * REF_REQUESTS * req * judge_ratio}}
     for placement, trainers, judges, colocated in (("judge on its own GPU", 7, 1, False),
                                                   ("judges colocated", 8, 8, True)):
         for switch, n in forwards.items():
@@ -139,15 +178,21 @@ def epoch_time(s: dict, mfu: float) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS / "grpo_full_scale.json"))
+    p.add_argument("--judge-measured", type=Path, default=JUDGE_MEASURED,
+                   help="grpo_vs_reference.py --judge's JSON: the measured judge time per request, reference / paco_ds")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     f = counted_flops()
+    judge = measured_judge(args.judge_measured)
     forwards = {switch: sampling_forwards(overrides) for switch, overrides in SWITCHES.items()}
     assert forwards[""] == STEPS, forwards  # the plain plan is the schedule's steps
-    sch = schedules(f, forwards)
+    sch = schedules(f, forwards, judge["time_per_request_ratio"])
     table = {mfu: {name: epoch_time(s, mfu) for name, s in sch.items()} for mfu in (0.3, 0.4, 0.5)}
     print("GPU headline derived from counted FLOPs until a GPU is measured (no GPU ran this).")
     print(f"FLOPs per call (T): " + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in f.items() if k != "plan_seconds"))
+    print(f"judge: {REF_REQUESTS} vs {OUR_REQUESTS} requests per image (counted); the reference's time per request "
+          f"= {judge['time_per_request_ratio']:.3f} x paco_ds's (measured: {judge['source']}, {judge['judge_model']}, "
+          f"load average {judge['load_average_at_start'][0]:.1f} -> {judge['load_average_at_end'][0]:.1f})")
     print(f"epoch: {IMAGES} images, T2IS recipe (FLUX.1-dev 512 x 512, 10 steps, 1 trained step), 8 x H100 "
           f"(dense bf16 peak {PEAK / 1e12:.0f} TFLOP/s)")
     ratios = {}
@@ -163,6 +208,10 @@ def main(argv=None) -> dict:
     out = {"note": "GPU headline derived from counted FLOPs until a GPU is measured; times = FLOPs / (MFU x peak)",
            "command": "python benchmarks/grpo_full_scale.py", "peak_flops": PEAK, "images_per_epoch": IMAGES,
            "denoising_steps": STEPS, "judge_requests_per_image": {"reference": REF_REQUESTS, "paco_ds": OUR_REQUESTS},
+           "judge_requests_counted": "57: panel pairs x non-empty criteria, the mean over the paper's T2IS training "
+                                     "set's 2x2 prompts; 6: the 2x2 grid's panel pairs once",
+           # measured: the reference's judge time per request over paco_ds's; its judge FLOPs are scaled by it
+           "judge_time_per_request_measured": judge,
            "flops_per_call": f, "work_flops": sch,
            "epoch": {f"{int(m * 100)}%": rows for m, rows in table.items()},
            "ratio_reference_over": {k: round(v, 3) for k, v in ratios.items()},

@@ -40,10 +40,26 @@ transformer, the T5 encoder and the VAE decoder. Writes benchmarks/results/grpo_
     python benchmarks/grpo_vs_reference.py --repeats 2                 # CPU defaults: 128 px, 6 steps, ode_steps 2
     python benchmarks/grpo_vs_reference.py --device cuda               # 512 px, 10 steps (the paper's), ode_steps 3
     python benchmarks/grpo_vs_reference.py --quick                     # tiny model, 4 steps, seconds (the test)
+
+With --judge both paths score with the consistency reward instead, against ONE tiny judge served once
+on loopback by paco_ds's own server (paco_ds/serving/manager.py starting the hf engine on the tiny
+offline Qwen2.5-VL, paco_ds/tiny_judge.py), on the T2IS prompts and criteria of
+paco_ds/data/prompts/tiny_t2is_train.jsonl (2x2 grids, three criteria each). (a) scores with
+paco_ds's `consistency_score` (the recipe's template 1: each of the 6 panel pairs asked once) through
+its RewardRunner with overlap, as the trainer does; (b) sends its requests as PaCo-RL's
+consistency_score does (`ReferenceConsistency` below: one request per criterion per panel pair, JPEG,
+after all sampling, synchronously). Only paco_ds and the reference run (no rollout switches). The
+report adds per path the judge's requests per image (counted at the server), its busy seconds
+(measured at the server, from /stats: wall seconds in `generate` plus the CPU seconds of each request's
+`prepare`), the client's request
+latencies, and the judge's seconds per request. Writes grpo_vs_reference_judge_<cpu|cuda>.json.
+
+    python benchmarks/grpo_vs_reference.py --judge --quick             # seconds (the test)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -55,7 +71,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, RESULTS, machine, write_report  # noqa: E402  (puts the repository on sys.path)
+from _common import JUDGE, REPO, RESULTS, machine, tiny_judge, write_report  # noqa: E402  (puts the repository on sys.path)
 
 MODEL_DIR = REPO / "runs" / "grpo_vs_reference" / "flux_reduced"  # git-ignored; written once
 RECIPE = REPO / "configs" / "flux_t2is.yaml"  # (a)'s Rollouts read their sample section from the paper's recipe
@@ -93,6 +109,26 @@ SIMPLIFICATIONS = [
     "no EMA, no eval, no checkpoint, no W&B image logging in either path",
     "the same initial latents and noise in both (the reference uses the global RNG); paco_ds+same_latent and "
     "paco_ds+prefix draw one initial latent per group instead",
+]
+
+# --judge: the served tiny judge and the T2IS items (prompt, layout, criteria) both paths score
+JUDGE_MODEL = JUDGE  # the tiny Qwen2.5-VL that _common.tiny_judge serves
+JUDGE_REWARD = "consistency_score"
+JUDGE_ITEMS = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
+# the tiny judge's whole vocabulary (paco_ds/tiny_judge.py): with random weights "Yes"/"No" need not be
+# among the top 20 the reference asks for; the same in both paths, so each request costs the same to answer
+JUDGE_TOP_LOGPROBS = 267
+REF_MAX_CONCURRENT = 120  # PaCo-GRPO/paco_grpo/rewards/rewards.py:167 (max_concurrent of each call's scorer)
+JUDGE_SIMPLIFICATIONS = [
+    "--judge: the same tiny judge (random weights, 2 layers) answers both paths: its seconds per request are "
+    "CPU seconds of a tiny model, not a 7B VLM's on a GPU; the counts of requests are the schedules' own",
+    "--judge: top_logprobs 267 (the tiny vocabulary) in both instead of the reference's 20 (module constant "
+    "JUDGE_TOP_LOGPROBS says why)",
+    "--judge: (b) raises on a failed request instead of scoring it 0.0 after 10 attempts "
+    "(consistency_scorer.py:146-168); none failed in the runs reported",
+    "--judge: (b) opens its AsyncOpenAI client inside each call (rewards.py:157-160 opens it once; its "
+    "connections belong to the event loop, and asyncio.run makes a new loop per call, consistency_scorer.py:56)",
+    "--judge: judge and trainer share this machine's CPU cores (on the paper's placement the judge has its own GPU)",
 ]
 
 # (a)'s variants: the sample.* overrides of each (on top of the benchmark's shape); {ode_steps} is --ode-steps
@@ -199,6 +235,13 @@ def sync_old(transformer):
                 params[name.replace(".default.", ".old.")].copy_(p)
 
 
+def judge_items() -> list[dict]:
+    """--judge's prompts with their metadata (layout, criteria): the tiny T2IS training set."""
+    import json
+
+    return [json.loads(line) for line in JUDGE_ITEMS.read_text().splitlines() if line.strip()]
+
+
 def make_batch(args):
     """The epoch's samples: images / group_size prompts, each repeated group_size times, shuffled."""
     import torch
@@ -206,8 +249,9 @@ def make_batch(args):
     from paco_ds.sampling.trajectory import make_generator
 
     n_prompts = args.images // args.group_size
+    prompts = [it["prompt"] for it in judge_items()] if args.judge else PROMPTS
     order = torch.randperm(args.images, generator=make_generator(0, "order")).tolist()
-    picks = [(PROMPTS[i // args.group_size % len(PROMPTS)] + f" #{i // args.group_size}", i // args.group_size, i)
+    picks = [(prompts[i // args.group_size % len(prompts)] + f" #{i // args.group_size}", i // args.group_size, i)
              for i in order]
     assert len({p for p, _, _ in picks}) == n_prompts
     return picks  # (prompt, group id, position)
@@ -269,7 +313,8 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
     trajs = []
     with counters.counting(f"{variant}/sample"), rollouts.module() as module:
         for b0 in range(0, len(ctx["picks"]), args.batch_size):
-            picks = [Pick(PromptItem(p), g, pos) for p, g, pos in ctx["picks"][b0:b0 + args.batch_size]]
+            picks = [Pick(PromptItem(p, metadata=ctx["metadata"](g)), g, pos)
+                     for p, g, pos in ctx["picks"][b0:b0 + args.batch_size]]
             traj = rollouts.sample(module, picks, ctx["h"], ctx["w"], epoch=rep)
             runner.submit(traj.images, traj.prompts, traj.metadata)
             trajs.append(traj)
@@ -282,7 +327,8 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
     times["reward_wait_s"] = t2 - t1
     # 3. advantages (kernels.grpo_advantages: per-prompt GRPO, global std as in t2is, clip 5).
     groups = torch.tensor([g for t in trajs for g in t.group_ids])
-    rewards = torch.as_tensor(np.stack([results[REWARD].scores]), dtype=torch.float64)
+    rewards = torch.as_tensor(np.stack([results[ctx["reward"]].scores]), dtype=torch.float64)
+    times["rewards"] = results[ctx["reward"]].scores.tolist()  # in the order sampled
     adv = kernels.grpo_advantages(rewards, [1.0], groups, global_std=True, clip=ADV_CLIP, backend=args.backend)
     adv = adv.advantages.float()
     t3 = clock.now()
@@ -341,6 +387,96 @@ def ref_stat_tracker(prompts: list[str], rewards, global_std: bool = True):
     return adv
 
 
+class ReferenceConsistency:
+    """--judge's (b): PaCo-RL's consistency_score request schedule, re-created from
+    PaCo-GRPO/paco_grpo/rewards/rewards.py:153-173 and rewards/consistency_scorer.py:55-182 (08caac6).
+
+    Per call (one reward_compute chunk): a fresh scorer (rewards.py:162-169, so its cache lives for one
+    call) runs all images at once (asyncio.gather, :89-95); each image walks its criteria one after the
+    other (:67-84: every dimension, every non-empty criterion text, one `await` each) and for every
+    criterion asks all panel pairs at once (:170-180: divide_image on the prompt's grid, combinations of
+    2), each pair a chat request with both panels as JPEG data URIs (utils.py pil_image_to_base64: PIL's
+    default quality 75) and the template-1 question on the prompt's theme (:111-118: the text does not
+    name the criterion, but the cache key does (:132), so each criterion asks the same pairs again),
+    temperature 0, max_completion_tokens 1, top logprobs (:149-157), at most 120 requests in flight
+    (:148, rewards.py:167). Score: P(Yes)/(P(Yes)+P(No)) (utils.py get_yes_cond_prob_from_completion),
+    averaged over pairs, then criteria, then dimensions (:79-87)."""
+
+    def __init__(self, base_url: str, model: str, top_logprobs: int):
+        self.base_url, self.model, self.top_logprobs = base_url, model, top_logprobs
+        self.requests = 0  # sent (after the per-call cache)
+        self.latencies: list[float] = []  # seconds from send to answer, per request
+
+    def score(self, images, prompts, metadata) -> dict:
+        import asyncio
+
+        from paco_ds.rewards.base import RewardResult
+
+        return {JUDGE_REWARD: RewardResult.ok(asyncio.run(self._call(images, prompts, metadata)))}
+
+    async def _call(self, images, prompts, metadata) -> list[float]:
+        import asyncio
+        import re
+        from itertools import combinations
+
+        import openai
+
+        from paco_ds.images import split_panels, split_prompt
+        from paco_ds.rewards.base import image_digest
+        from paco_ds.rewards.consistency import PAIR_TEMPLATE_V1, data_uri, yes_probability
+
+        client = openai.AsyncOpenAI(api_key="dummy-key", base_url=self.base_url, max_retries=0)
+        sem, cache = asyncio.Semaphore(REF_MAX_CONCURRENT), {}
+
+        async def pair(a, b, text: str, criterion: str) -> float:
+            key = (image_digest(a), image_digest(b), criterion)  # :132
+            if key in cache:
+                return cache[key]
+            content = [{"type": "image_url", "image_url": {"url": data_uri(a, "jpeg", 75)}},
+                       {"type": "image_url", "image_url": {"url": data_uri(b, "jpeg", 75)}},
+                       {"type": "text", "text": text}]
+            async with sem:
+                t0 = time.perf_counter()
+                out = await client.chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": content}], temperature=0.0,
+                    max_completion_tokens=1, logprobs=True, top_logprobs=self.top_logprobs, timeout=60)
+                self.latencies.append(time.perf_counter() - t0)
+                self.requests += 1
+            top = out.choices[0].logprobs.content[0].top_logprobs
+            cache[key] = yes_probability([(t.token, t.logprob) for t in top])
+            return cache[key]
+
+        async def one_image(prompt: str, image, meta: dict) -> float:
+            grid = re.findall(r"(\d+)\s*[x\u2a09]\s*(\d+)", prompt)  # utils.py extract_grid_info
+            panels = split_panels(image, *((int(grid[0][0]), int(grid[0][1])) if grid else (1, 1)))
+            text = PAIR_TEMPLATE_V1.format(theme=split_prompt(prompt)[0])  # the same words as :114-118
+            dims = []
+            for crits in meta["criteria"].values():
+                per_criterion = []
+                for criterion in [c for c in crits.values() if c]:  # one after the other (:75-77)
+                    got = await asyncio.gather(*(pair(a, b, text, criterion) for a, b in combinations(panels, 2)))
+                    per_criterion.append(sum(got) / len(got) if got else 0.0)
+                dims.append(sum(per_criterion) / len(per_criterion) if per_criterion else 0.0)
+            return sum(dims) / len(dims)
+
+        try:
+            return list(await asyncio.gather(*(one_image(p_, im, m) for p_, im, m in zip(prompts, images, metadata))))
+        finally:
+            await client.close()
+
+    @staticmethod
+    def requests_for(metadata: dict, pairs: int) -> int:
+        """Requests per image: panel pairs x non-empty criteria (what the schedule above sends)."""
+        return pairs * sum(1 for crits in metadata["criteria"].values() for c in crits.values() if c)
+
+    def take_latencies(self) -> list[float]:
+        out, self.latencies = self.latencies, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 def epoch_reference(ctx, rep: int) -> dict:
     """The reference's epoch (train_flux.py:1137-1488)."""
     import numpy as np
@@ -384,10 +520,10 @@ def epoch_reference(ctx, rep: int) -> dict:
             # the pipeline decodes and post-processes to PIL; the trainer drops these images
             to_pil(policy.decode(x, h, w))
             all_latents = torch.stack(all_latents, dim=1)
-            for k, (prompt, _, _) in enumerate(picks):  # one dict per image (:1229-1244)
+            for k, (prompt, g, _) in enumerate(picks):  # one dict per image (:1229-1244)
                 samples.append({"prompt": [prompt], "prompt_ids": prompt_ids[[k]], "height": h, "width": w,
                                 "prompt_embeds": embeds.prompt_embeds[[k]].cpu(), "pooled": embeds.pooled[[k]].cpu(),
-                                "all_latents": all_latents[[k]], "sigmas": sigmas, "metadata": {}})
+                                "all_latents": all_latents[[k]], "sigmas": sigmas, "metadata": ctx["metadata"](g)})
     module.set_adapter("default")  # :1250
     t1 = clock.now()
     times["sample_s"] = t1 - t0
@@ -400,7 +536,7 @@ def epoch_reference(ctx, rep: int) -> dict:
             last = torch.cat([s["all_latents"][:, -1] for s in chunk])
             images = to_pil(policy.decode(last, h, w))
             res = runner.score(images, [s["prompt"][0] for s in chunk], [s["metadata"] for s in chunk])
-            scores.append(res[REWARD].scores)
+            scores.append(res[ctx["reward"]].scores)
     t2 = clock.now()
     times["reward_wait_s"] = t2 - t1
     # gather (:1265-1273): one process. Then prompt ids decoded back to strings, per-prompt GRPO
@@ -408,6 +544,7 @@ def epoch_reference(ctx, rep: int) -> dict:
     ids = torch.cat([s["prompt_ids"] for s in samples])
     prompts = policy.tokenizer_2.batch_decode(ids, skip_special_tokens=True)
     advantages = torch.as_tensor(ref_stat_tracker(prompts, np.concatenate(scores)), dtype=torch.float32)
+    times["rewards"] = np.concatenate(scores).tolist()
     for s, a in zip(samples, advantages):
         s["advantages"] = a[None]
         del s["prompt_ids"]
@@ -448,6 +585,39 @@ def epoch_reference(ctx, rep: int) -> dict:
     return times
 
 
+# ---------------------------------------------------------------------------------------------- judge
+def judge_stats(url: str) -> dict:
+    """The server's own counters (paco_ds/serving/hf_engine.py, GET /stats)."""
+    import httpx
+
+    return httpx.get(url.removesuffix("/v1") + "/stats", timeout=30).json()
+
+
+def judge_epoch(before: dict, after: dict, client_requests: int, latencies: list[float]) -> dict:
+    """One epoch's judge work: what the server counted and timed, and what the client sent and waited."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("completed", "batches", "generate_s", "prepare_cpu_s")}
+    return {"server_requests": d["completed"], "client_requests": client_requests, "batches": d["batches"],
+            "generate_s": d["generate_s"], "prepare_cpu_s": d["prepare_cpu_s"],
+            # the server's seconds of work on this epoch's requests: the model's, and preprocessing's CPU
+            "busy_s": d["generate_s"] + d["prepare_cpu_s"],
+            "client_latency_sum_s": sum(latencies), "client_latency_mean_s": sum(latencies) / max(len(latencies), 1)}
+
+
+def judge_summary(epochs: list[dict], images: int, expected_per_image: float) -> dict:
+    """Per path: requests per image (counted; the same every repeat) and the median seconds."""
+    med = {k: statistics.median(e[k] for e in epochs) for k in ("busy_s", "generate_s", "prepare_cpu_s",
+                                                                 "client_latency_sum_s", "client_latency_mean_s",
+                                                                 "batches")}
+    requests = epochs[0]["server_requests"]
+    return {"requests_per_image": requests / images, "expected_requests_per_image": expected_per_image,
+            "server_requests_by_repeat": [e["server_requests"] for e in epochs],
+            "client_requests_by_repeat": [e["client_requests"] for e in epochs],
+            "median": med, "busy_s_per_request": med["busy_s"] / requests,
+            "generate_s_per_request": med["generate_s"] / requests,
+            "requests_per_batch": requests / med["batches"] if med["batches"] else None,
+            "by_repeat": epochs}
+
+
 # ---------------------------------------------------------------------------------------------- driver
 def warm_up(ctx) -> None:
     """Untimed: build the kernels (the C++ ops on CPU; on CUDA every Triton variant both paths use:
@@ -456,6 +626,7 @@ def warm_up(ctx) -> None:
     import torch
 
     import kernels
+    from paco_ds.images import to_pil
 
     policy, h, w, backend = ctx["policy"], ctx["h"], ctx["w"], ctx["args"].backend
     x = policy.initial_latents(1, h, w, [torch.Generator().manual_seed(0)])
@@ -478,7 +649,15 @@ def warm_up(ctx) -> None:
     loss.backward()
     for p in ctx["params"]:
         p.grad = None
-    ctx["runner_b"].score(policy.decode(x1, h, w), ["warm up"], [{}])
+    warm = policy.decode(x1, h, w)
+    if ctx["args"].judge:  # both judges' clients and the server's first requests (not timed)
+        item = judge_items()[0]
+        ctx["runner_a"].score(warm, [item["prompt"]], [item])
+        ctx["runner_a"].take_latencies()
+        ctx["runner_b"].score(to_pil(warm), [item["prompt"]], [item])
+        ctx["runner_b"].take_latencies()
+    else:
+        ctx["runner_b"].score(warm, ["warm up"], [{}])
     ctx["clock"].now()
     ctx["counters"].counts.clear()
 
@@ -500,6 +679,7 @@ def summarise(name: str, runs: list[dict], counts: dict, images: int, opt) -> di
         "path": name, "images_per_sec": images / med["epoch_s"], "median": med,
         "images_per_cpu_sec": images / med["cpu_s"],  # less sensitive than wall time to other load on the machine
         "epoch_s_by_repeat": [r["epoch_s"] for r in runs],
+        "rewards_by_repeat": [r["rewards"] for r in runs],  # each image's score, in the order sampled
         "calls_per_epoch": per_rep,
         "trained_steps": trained,
         "sample_forwards_per_image": per_rep.get("sample", {}).get("transformer_forwards", 0) / images,
@@ -533,6 +713,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="kernels backend for both paths (auto|torch|cpp|triton)")
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="the reduced FLUX folder (written once)")
     p.add_argument("--quick", action="store_true", help="tiny random FLUX, 32 px, seconds (a smoke run)")
+    p.add_argument("--judge", action="store_true",
+                   help="score both paths with the consistency reward against one tiny judge served on loopback "
+                        "(paco_ds's hf engine), each with its own request schedule; paco_ds and the reference only")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/grpo_vs_reference_<device>.json)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -560,10 +743,18 @@ def main(argv=None) -> int:
     import torch
 
     from paco_ds.config import RewardSet
+    from paco_ds.images import grid_shape
     from paco_ds.rewards.runner import RewardRunner
 
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
+    judge_url, served = None, contextlib.ExitStack()
+    if args.judge:  # before the model loads: the server's start overlaps nothing timed
+        t_judge = time.perf_counter()
+        # paco_ds.serving.manager starts the hf engine (the real server code path); it exits with this process
+        judge_url = served.enter_context(tiny_judge(startup_timeout=300))
+        print(f"judge: tiny Qwen2.5-VL served by the hf engine at {judge_url} "
+              f"(started in {time.perf_counter() - t_judge:.1f}s)", flush=True)
     if not cuda:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = torch.device("cuda" if cuda else "cpu")
@@ -572,39 +763,62 @@ def main(argv=None) -> int:
     add_old_adapter(policy.transformer)  # only (b) activates it
     load_s = time.perf_counter() - t_load
     params = [p_ for n, p_ in policy.transformer.named_parameters() if ".default." in n]
-    spec = RewardSet(terms={REWARD: {}})
+    variants = {"paco_ds": PACO_VARIANTS["paco_ds"]} if args.judge else PACO_VARIANTS
+    items = judge_items() if args.judge else []
+    reward = JUDGE_REWARD if args.judge else REWARD
+    if args.judge:  # (a): the recipe's consistency_score term (template 1, PNG), on the served tiny judge
+        spec = RewardSet(terms={JUDGE_REWARD: {"model": JUDGE_MODEL, "base_url": judge_url,
+                                               "top_logprobs": JUDGE_TOP_LOGPROBS}})
+        runner_a = RewardRunner(spec, overlap=True)  # the trainer's default batches_in_flight (8)
+        runner_b = ReferenceConsistency(judge_url, JUDGE_MODEL, JUDGE_TOP_LOGPROBS)
+    else:
+        spec = RewardSet(terms={REWARD: {}})
+        runner_a, runner_b = RewardRunner(spec, overlap=True), RewardRunner(spec, overlap=False)
     ctx = {"policy": policy, "args": args, "clock": Clock(device), "counters": Counters(policy), "params": params,
-           "h": args.resolution, "w": args.resolution, "picks": make_batch(args),
+           "h": args.resolution, "w": args.resolution, "picks": make_batch(args), "reward": reward,
+           "metadata": (lambda g: items[g % len(items)]) if args.judge else (lambda g: {}),
            # all: torch AdamW on the `default` adapter (:959-978); one optimizer per path, kept across repeats
            "opt": {name: torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS)
-                   for name in [*PACO_VARIANTS, "reference"]},
-           "rollouts": {name: paco_rollouts(policy, args, name) for name in PACO_VARIANTS},
-           "runner_a": RewardRunner(spec, overlap=True), "runner_b": RewardRunner(spec, overlap=False)}
+                   for name in [*variants, "reference"]},
+           "rollouts": {name: paco_rollouts(policy, args, name) for name in variants},
+           "runner_a": runner_a, "runner_b": runner_b}
     n_params = sum(p_.numel() for n, p_ in policy.transformer.named_parameters() if "lora_" not in n)
     print(f"model: {'tiny' if args.quick else args.model_dir} ({n_params / 1e9:.3f}B transformer parameters, "
           f"{policy.dtype}, loaded in {load_s:.1f}s) on {device}; {args.images} images, group {args.group_size}, "
           f"{args.resolution}px, {args.steps} steps, {policy.max_sequence_length} T5 tokens", flush=True)
-    warm_up(ctx)
-    paths = {**{name: partial(epoch_paco, variant=name) for name in PACO_VARIANTS}, "reference": epoch_reference}
+    paths = {**{name: partial(epoch_paco, variant=name) for name in variants}, "reference": epoch_reference}
     runs = {name: [] for name in paths}
+    judged = {name: [] for name in paths}  # --judge: each epoch's judge work
     try:
+        warm_up(ctx)
         for rep in range(args.repeats):
             names = list(paths) if rep % 2 == 0 else list(reversed(paths))  # alternate: drift hits both alike
             for name in names:
+                if args.judge:
+                    client = runner_b if name == "reference" else runner_a.rewards[JUDGE_REWARD]
+                    before, sent0 = judge_stats(judge_url), client.requests
                 r = paths[name](ctx, rep)
                 runs[name].append(r)
+                line = ""
+                if args.judge:  # every request of the epoch is answered by now (collect / synchronous scoring)
+                    j = judge_epoch(before, judge_stats(judge_url), client.requests - sent0,
+                                    (runner_b if name == "reference" else runner_a).take_latencies())
+                    judged[name].append(j)
+                    line = f", judge: {j['server_requests']} requests, busy {j['busy_s']:.2f}s"
                 print(f"repeat {rep} {name:>19}: epoch {r['epoch_s']:.2f}s (sample {r['sample_s']:.2f}, reward wait "
-                      f"{r['reward_wait_s']:.2f}, train {r['train_s']:.2f})", flush=True)
+                      f"{r['reward_wait_s']:.2f}, train {r['train_s']:.2f}{line})", flush=True)
     finally:
         ctx["runner_a"].close()
         ctx["runner_b"].close()
+        served.close()  # stops the judge
     res = {name: summarise(name, runs[name], ctx["counters"].take(name + "/"), args.images, ctx["opt"][name])
            for name in paths}
     a, b = res["paco_ds"], res["reference"]
     vs_reference = {name: r["images_per_sec"] / b["images_per_sec"] for name, r in res.items() if name != "reference"}
-    vs_paco = {name: r["images_per_sec"] / a["images_per_sec"] for name, r in res.items() if name in PACO_VARIANTS}
+    vs_paco = {name: r["images_per_sec"] / a["images_per_sec"] for name, r in res.items() if name in variants}
     # the prefix's own gain: against the same draw of latents without sharing (the same images)
-    prefix_vs_same_latent = res["paco_ds+prefix"]["images_per_sec"] / res["paco_ds+same_latent"]["images_per_sec"]
+    prefix_vs_same_latent = (res["paco_ds+prefix"]["images_per_sec"] / res["paco_ds+same_latent"]["images_per_sec"]
+                             if "paco_ds+prefix" in res else None)
     speedup, speedup_cpu = vs_reference["paco_ds"], a["images_per_cpu_sec"] / b["images_per_cpu_sec"]
 
     head = f"{'path':>19} {'img/s':>8} {'epoch s':>8} {'CPU s':>8} {'sample s':>9} {'reward wait s':>13} " \
@@ -620,7 +834,37 @@ def main(argv=None) -> int:
               f"{r['sample_forwards_per_image']:>14.2f} {r['forwards_per_trained_step']:>16.0f} "
               f"{r['text_encodes_per_trained_step']:>21.0f} {r['vae_decodes_per_image']:>15.0f} {ratios}")
     print(f"paco_ds / reference images/s: {speedup:.3f}x (per CPU second: {speedup_cpu:.3f}x)")
-    print(f"paco_ds+prefix / paco_ds+same_latent images/s: {prefix_vs_same_latent:.3f}x")
+    if prefix_vs_same_latent is not None:
+        print(f"paco_ds+prefix / paco_ds+same_latent images/s: {prefix_vs_same_latent:.3f}x")
+    judge = None
+    if args.judge:
+        pairs = {name: [] for name in paths}
+        for prompt, g, _ in ctx["picks"]:
+            rows, cols = grid_shape(prompt, ctx["metadata"](g))
+            n_pairs = rows * cols * (rows * cols - 1) // 2
+            pairs["paco_ds"].append(n_pairs)  # template 1: each panel pair once
+            pairs["reference"].append(ReferenceConsistency.requests_for(ctx["metadata"](g), n_pairs))
+        judge = {name: judge_summary(judged[name], args.images, sum(pairs[name]) / args.images) for name in paths}
+        ja, jb = judge["paco_ds"], judge["reference"]
+        judge["ratios_reference_over_paco_ds"] = {
+            "requests_per_image": jb["requests_per_image"] / ja["requests_per_image"],
+            "busy_s_per_epoch": jb["median"]["busy_s"] / ja["median"]["busy_s"],
+            # what grpo_full_scale.py scales its judge FLOPs per request by
+            "busy_s_per_request": jb["busy_s_per_request"] / ja["busy_s_per_request"],
+            "generate_s_per_request": jb["generate_s_per_request"] / ja["generate_s_per_request"]}
+        print(f"\njudge ({JUDGE_MODEL}, served once; server-side seconds from /stats: generate wall + prepare CPU)")
+        print(f"{'path':>19} {'requests/img':>12} {'expected':>8} {'busy s':>8} {'busy ms/req':>11} "
+              f"{'client ms/req':>13} {'req/batch':>9} {'reward wait s':>13} {'epoch s':>8} {'img/s':>8}")
+        for name in paths:
+            jn, r = judge[name], res[name]
+            print(f"{name:>19} {jn['requests_per_image']:>12.2f} {jn['expected_requests_per_image']:>8.2f} "
+                  f"{jn['median']['busy_s']:>8.3f} {1e3 * jn['busy_s_per_request']:>11.2f} "
+                  f"{1e3 * jn['median']['client_latency_mean_s']:>13.2f} {jn['requests_per_batch'] or 0:>9.2f} "
+                  f"{r['median']['reward_wait_s']:>13.3f} {r['median']['epoch_s']:>8.2f} {r['images_per_sec']:>8.4f}")
+        rr = judge["ratios_reference_over_paco_ds"]
+        print(f"reference / paco_ds: requests per image {rr['requests_per_image']:.2f}x, judge busy per epoch "
+              f"{rr['busy_s_per_epoch']:.2f}x, per request {rr['busy_s_per_request']:.3f}x; "
+              f"paco_ds / reference images/s {speedup:.3f}x")
     print(f"model.compile: not run here (minutes of compile per shape on CPU); measured by "
           f"benchmarks/compile_blocks.py, {COMPILE_SOURCE}")
     report = {
@@ -633,17 +877,24 @@ def main(argv=None) -> int:
                    "noise_level": NOISE_LEVEL, "guidance": GUIDANCE, "beta": BETA, "clip_range": CLIP_RANGE,
                    "rollout_batch_size": args.batch_size, "max_sequence_length": policy.max_sequence_length,
                    "lora": {"rank": 64, "alpha": 128}, "optimizer": "torch.optim.AdamW", "lr": LR,
-                   "optimizer_steps_per_epoch": OPT_STEPS_PER_EPOCH, "reward": REWARD, "kernels_backend": args.backend,
+                   "optimizer_steps_per_epoch": OPT_STEPS_PER_EPOCH, "reward": reward, "judge": args.judge,
+                   "kernels_backend": args.backend,
                    "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "load_s": load_s},
         **res,
         "variants": {name: [o.format(ode_steps=args.ode_steps) for o in overrides]
-                     for name, overrides in PACO_VARIANTS.items()},  # each one's sample.* overrides
+                     for name, overrides in variants.items()},  # each one's sample.* overrides
         "images_per_sec": {name: r["images_per_sec"] for name, r in res.items()},
         "speedup": speedup,  # paco_ds images/s / reference images/s
         "speedup_cpu_time": speedup_cpu,  # the same from process CPU seconds (a cross-check on a shared machine)
         "speedup_vs_reference": vs_reference,  # each (a) variant's images/s / the reference's
         "speedup_vs_paco_ds": vs_paco,  # each (a) variant's images/s / plain (a)'s
         "prefix_vs_same_latent": prefix_vs_same_latent,  # the shared prefix's own gain (same latents, same images)
+        **({"judge": {"model": JUDGE_MODEL, "served_by": "paco_ds.serving.hf_engine (tiny Qwen2.5-VL, random "
+                      "weights), started once by paco_ds.serving.manager on loopback",
+                      "items": str(JUDGE_ITEMS.relative_to(REPO)), "top_logprobs": JUDGE_TOP_LOGPROBS,
+                      "busy_s": "server-side, from the server's /stats before and after each epoch: wall seconds in "
+                                "generate (the model, one batch at a time) + CPU seconds of the requests' prepare "
+                                "(image decoding, chat template, processor)", **judge}} if judge else {}),
         "model_compile": {"run_here": False, "source": COMPILE_SOURCE,
                           "why": "regional torch.compile takes minutes per shape on CPU; "
                                  "benchmarks/compile_blocks.py measures it"},
@@ -651,9 +902,11 @@ def main(argv=None) -> int:
         "method": "one process, one model; per repeat each path and variant runs one full epoch (sample, reward, "
                   "advantage, train with AdamW steps), order alternating; images/s = images / median epoch seconds",
         "zero3_gather": "not applicable: one process holds every parameter (no ZeRO-3 partition to gather)",
-        "reference_simplifies": SIMPLIFICATIONS,
+        "reference_simplifies": ([s_ for s_ in SIMPLIFICATIONS if "jpeg_compressibility" not in s_]
+                                 + JUDGE_SIMPLIFICATIONS) if args.judge else SIMPLIFICATIONS,
     }
-    out = args.out or RESULTS / f"grpo_vs_reference_{'cuda' if cuda else 'cpu'}{'_quick' if args.quick else ''}.json"
+    out = args.out or RESULTS / (f"grpo_vs_reference{'_judge' if args.judge else ''}_{'cuda' if cuda else 'cpu'}"
+                                 f"{'_quick' if args.quick else ''}.json")
     path = write_report(out.stem, report, out.parent, machine_info)
     print(f"wrote {path}")
     return 0

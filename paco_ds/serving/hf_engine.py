@@ -4,7 +4,8 @@ chat template) behind the OpenAI chat API, on CPU or GPU.
 vLLM needs a GPU and `transformers serve` ignores `logprobs`, so this engine implements what the
 consistency rewards use: `GET /v1/models`, `GET /health`, and `POST /v1/chat/completions` with
 text and data-URI images, greedy decoding, `max_tokens`, and `logprobs`/`top_logprobs` of the
-generated tokens in OpenAI's response schema. `GET /stats` counts requests and batches. Sleep mode as
+generated tokens in OpenAI's response schema. `GET /stats` counts requests and batches, the wall
+seconds in `generate` (the model, one batch at a time) and the CPU seconds of the requests' `prepare`. Sleep mode as
 vLLM's (`POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping`) for a judge colocated with training.
 
 Dynamic batching: each request is templated and preprocessed on its own (so a bad request fails
@@ -346,6 +347,7 @@ class Batcher:
                 self.stats["batches"] += 1
                 self.stats["batched_requests"] += len(group)
                 self.stats["max_batch"] = max(self.stats["max_batch"], len(group))
+                t0 = time.perf_counter()
                 try:
                     gens = await loop.run_in_executor(self.pool, self.engine.generate, [i for i, _ in group])
                 except Exception as err:  # noqa: BLE001 - reported to every waiting client as a 500
@@ -354,6 +356,8 @@ class Batcher:
                         if not fut.done():
                             fut.set_exception(err)
                     continue
+                finally:  # the model's busy time: one worker runs one batch at a time, so these add up to wall time
+                    self.stats["generate_s"] += time.perf_counter() - t0
                 for (_, fut), gen in zip(group, gens):
                     if not fut.done():
                         fut.set_result(gen)
@@ -459,6 +463,15 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
     async def is_sleeping():
         return {"is_sleeping": sleep.asleep}
 
+    def prepare(req: ChatCompletionRequest) -> Prepared:
+        # CPU seconds of this thread (not wall: requests prepare in many threads at once and would
+        # count each other's time): decoding the images, the chat template, the processor
+        t0 = time.thread_time()
+        try:
+            return engine.prepare(req, max_logprobs)
+        finally:
+            stats["prepare_cpu_s"] += time.thread_time() - t0
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         stats["requests"] += 1
@@ -470,7 +483,7 @@ def create_app(engine: Engine, served_name: str, *, max_batch_size: int = 16, ba
             if req.model != served_name:
                 raise ApiError(404, f"model '{req.model}' is not served here; served: {served_name}")
             async with budget.hold(pixels * PREPARE_BYTES_PER_PIXEL):
-                prepared = await run_in_threadpool(engine.prepare, req, max_logprobs)
+                prepared = await run_in_threadpool(prepare, req)
             gen = await state["batcher"].submit(prepared)
         except ApiError as err:
             stats[f"errors_{err.status}"] += 1

@@ -1,10 +1,10 @@
 """`python benchmarks/grpo_vs_reference.py --quick` runs both epochs, and paco_ds's with each rollout
-switch, on the tiny FLUX and writes its JSON."""
+switch, on the tiny FLUX and writes its JSON; with --judge both score against one served tiny judge."""
 import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.runs
 
@@ -64,3 +64,42 @@ def test_quick_run_compares_both_epochs(tmp_path):
         report["paco_ds+prefix"]["images_per_sec"] / report["paco_ds+same_latent"]["images_per_sec"], rel=1e-12)
     assert report["model_compile"]["source"] == "benchmarks/results/compile_blocks_cpu.json"
     assert "paco_ds / reference images/s" in out.stdout and "paco_ds+prefix / paco_ds+same_latent" in out.stdout
+
+
+def test_quick_run_with_the_judge_on_both_sides(tmp_path):
+    """--judge: one tiny judge served on loopback answers both schedules; the requests it counted are
+    each schedule's formula (paco_ds: the 6 panel pairs of a 2x2 grid once; the reference: the pairs
+    once per criterion), and every score is a probability."""
+    out_file = tmp_path / "gvr_judge.json"
+    out = run_cli("benchmarks/grpo_vs_reference.py", "--judge", "--quick", "--out", str(out_file), timeout=240,
+                  env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out_file.read_text())
+    cfg = report["config"]
+    assert cfg["judge"] and cfg["reward"] == "consistency_score" and cfg["quick"]
+    assert set(report["images_per_sec"]) == {"paco_ds", "reference"}  # no rollout switches with the judge
+    items = [json.loads(line) for line in (REPO / report["judge"]["items"]).read_text().splitlines() if line]
+    n_crit = {sum(1 for d in it["criteria"].values() for t in d.values() if t) for it in items}
+    assert n_crit == {3}  # every tiny T2IS item: 3 non-empty criteria, 2x2 layout
+    assert {it["layout"] for it in items} == {"2x2"}
+    want = {"paco_ds": 6, "reference": 6 * 3}
+    for name, per_image in want.items():
+        j = report["judge"][name]
+        assert j["expected_requests_per_image"] == per_image
+        # counted at the server (its /stats) and at the client, every repeat
+        assert j["requests_per_image"] == per_image
+        assert j["server_requests_by_repeat"] == j["client_requests_by_repeat"] == \
+            [per_image * cfg["images"]] * cfg["repeats"]
+        assert j["median"]["generate_s"] > 0 and j["median"]["prepare_cpu_s"] > 0
+        assert j["median"]["busy_s"] == pytest.approx(j["median"]["generate_s"] + j["median"]["prepare_cpu_s"])
+        assert j["busy_s_per_request"] == pytest.approx(j["median"]["busy_s"] / (per_image * cfg["images"]))
+        rewards = [x for rep in report[name]["rewards_by_repeat"] for x in rep]
+        assert len(rewards) == cfg["images"] * cfg["repeats"] and all(0.0 <= x <= 1.0 for x in rewards)
+        assert report[name]["median"]["reward_wait_s"] >= 0
+    ratios = report["judge"]["ratios_reference_over_paco_ds"]
+    assert ratios["requests_per_image"] == 3.0
+    assert ratios["busy_s_per_request"] == pytest.approx(
+        report["judge"]["reference"]["busy_s_per_request"] / report["judge"]["paco_ds"]["busy_s_per_request"])
+    assert report["speedup"] == pytest.approx(report["paco_ds"]["images_per_sec"] / report["reference"]["images_per_sec"])
+    assert any("tiny judge" in s for s in report["reference_simplifies"])
+    assert "reference / paco_ds: requests per image 3.00x" in out.stdout

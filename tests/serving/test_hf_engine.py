@@ -152,6 +152,8 @@ def test_concurrent_requests_are_batched_without_changing_results(server):
     after = stats()
     assert after["completed"] - before["completed"] == len(jobs)
     assert after["batches"] - before["batches"] < len(jobs) and after["max_batch"] > 1  # really batched
+    # the server's own time on them: the model's wall seconds, and the CPU seconds preparing the requests
+    assert after["generate_s"] > before.get("generate_s", 0) and after["prepare_cpu_s"] > before.get("prepare_cpu_s", 0)
     for s, c in zip(sequential, concurrent):
         assert s.keys() == c.keys()
         assert max(abs(s[k] - c[k]) for k in s) < 1e-5
