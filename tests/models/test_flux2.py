@@ -117,10 +117,14 @@ def test_the_schedule_is_the_pipelines_empirical_mu(base, pipe, family):
     and the number of steps."""
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
+    second = []
     for n, (h, w) in ((4, (64, 64)), (10, (48, 96)), (20, (512, 512))):
         seq = (h // 16) * (w // 16)
         pipe[family].scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=compute_empirical_mu(seq, n))
-        torch.testing.assert_close(base[family].sigmas(n, h, w), pipe[family].scheduler.sigmas, rtol=0, atol=1e-6)
+        got = base[family].sigmas(n, h, w)
+        torch.testing.assert_close(got, pipe[family].scheduler.sigmas, rtol=0, atol=1e-6)
+        second.append(round(float(got[1]), 6))
+    assert len(set(second)) == 3, second  # the shift moves with the size and the steps
 
 
 @pytest.mark.parametrize("family, guidance, size", [

@@ -9,7 +9,7 @@ latents (seeded, not the identity, so the normalisation matters), and the prompt
   text-only prompt never reaches, and a 31-layer Mistral language model, so the hidden states the
   pipeline reads, layers 10, 20 and 30 of 40, exist and are not the last) with a byte-level
   tokenizer carrying the part of Mistral-Small-3.1's chat template the pipeline reaches
-  (configs/mistral3-chat-template.jinja);
+  (paco_ds/models/tiny/configs/mistral3-chat-template.jinja);
 - FLUX.2 [klein]: a 28-layer `Qwen3ForCausalLM` (layers 9, 18, 27 of 36) with the byte-level Qwen
   tokenizer and Qwen3's chat template (z_image.py's).
 
