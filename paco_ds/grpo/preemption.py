@@ -94,9 +94,20 @@ class Preemption:
     def _accumulation(self) -> tuple[int, list[torch.Tensor] | None]:
         """(micro_step_id, this rank's ZeRO-3 partition of the gradients accumulated since the last
         optimizer step), so that a resume between two optimizer steps loses no micro-step."""
-        step_id = int(getattr(getattr(self.engine, "optimizer", None), "micro_step_id", 0))
+        step_id = accumulated_micro_steps(getattr(self.engine, "optimizer", None))
         if step_id == 0 or not self.zero3:
             return 0, None
         from deepspeed.utils import safe_get_local_grad
 
         return step_id, [safe_get_local_grad(p).detach().cpu().clone() for p in self.trainable]
+
+
+def accumulated_micro_steps(optimizer) -> int:
+    """The micro-steps a ZeRO-3 optimizer has accumulated since its last step. DeepSpeed counts a
+    micro-step at the next forward, not at its backward (`micro_step_id` grows in
+    `clear_backward_seen_flag`, after a backward whose epilogue set `_epilogue_ran_this_backward`), so
+    right after a backward the one just done is not counted yet: a stop after the epoch's first
+    micro-step would save no gradient and lose it. tests/grpo/test_accumulation_resume.py fails if
+    a DeepSpeed upgrade changes this."""
+    pending = bool(getattr(optimizer, "_epilogue_ran_this_backward", False))
+    return int(getattr(optimizer, "micro_step_id", 0)) + pending
