@@ -38,6 +38,7 @@ def main(argv=None) -> dict:
     from diffusers import FluxTransformer2DModel
 
     from paco_ds.config import LoraConfig
+    from paco_ds.models.attention import set_attention_backend
     from paco_ds.models.compile import compile_blocks
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
@@ -47,6 +48,7 @@ def main(argv=None) -> dict:
     eager = FluxTransformer2DModel(**REDUCED_FLUX_TRANSFORMER).to(device, dtype)
     add_lora(eager, LoraConfig(rank=64, alpha=128, target_modules=list(FluxPolicy.lora_targets)))
     eager.to(device, dtype)  # the LoRA layers too
+    set_attention_backend(eager, None)  # as the trainer: PyTorch's SDPA without cuDNN's kernel
     compiled = copy.deepcopy(eager)
     compile_blocks(compiled)
 

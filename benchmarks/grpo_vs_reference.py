@@ -199,6 +199,7 @@ def load_policy(args, device):
     import torch
 
     from paco_ds.config import LoraConfig, ModelConfig
+    from paco_ds.models.attention import set_attention_backend
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
 
@@ -212,6 +213,7 @@ def load_policy(args, device):
     policy = FluxPolicy.load(cfg, device)
     # r=64, alpha=128, gaussian init, and PaCo-RL's targets for FLUX (scripts/train_flux.py, its LoRA set-up)
     add_lora(policy.transformer, LoraConfig(target_modules=list(FluxPolicy.lora_targets)))
+    set_attention_backend(policy.transformer, None)  # both paths: PyTorch's SDPA without cuDNN's kernel
     return policy
 
 

@@ -71,8 +71,28 @@ def check_attention_backend(name: str | None, policy_cls, device=None, dtype: st
                           f"(on a CPU: {', '.join(CPU_BACKENDS)})")
 
 
+def sdpa_without_cudnn() -> None:
+    """Take cuDNN's fused attention out of the kernels PyTorch's SDPA chooses from (flash and
+    memory-efficient remain; they are what it chose before torch 2.5 preferred cuDNN on Hopper).
+
+    Why: with torch 2.11+cu130 on an H200 and an H100, the first backward through FLUX's attention at
+    512 px (1 x 24 heads x 1536 tokens x 128, bf16) fails in cuDNN's kernel, "Expected
+    mha_graph.execute(...).is_good()" when launches block, an illegal memory access reported at a
+    later call when they do not, and non-finite gradients in a GRPO run; without cuDNN the same steps
+    run (tests/gpu/results/nvidia-h200/diagnose.log, tests/gpu/flux_lora_probe.py). It is a process-wide
+    switch of PyTorch's; an explicit `_native_cudnn` backend still reaches cuDNN (diffusers restricts
+    SDPA to it in its own context)."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def set_attention_backend(transformer, name: str | None) -> None:
-    """Route the transformer's attention through backend `name` (checked by check_attention_backend)."""
+    """Route the transformer's attention through backend `name` (checked by check_attention_backend).
+    The default (None, `native`: PyTorch's SDPA) chooses among flash and memory-efficient kernels only
+    (sdpa_without_cudnn)."""
+    if name in (None, "native"):
+        sdpa_without_cudnn()
     if name is None:
         return
     transformer.set_attention_backend(name)

@@ -94,7 +94,11 @@ def load_model(path, cfg: SFTConfig, dtype: torch.dtype):
     """Qwen2_5_VLForConditionalGeneration in `dtype` (partitioned while a zero3_loading object lives)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from paco_ds.models.attention import sdpa_without_cudnn
+
     kwargs = {"dtype": dtype, "revision": cfg.model.revision}
+    if cfg.model.attn_implementation in (None, "sdpa"):  # transformers' default: PyTorch's SDPA
+        sdpa_without_cudnn()  # its backward fails in cuDNN's kernel on Hopper (paco_ds/models/attention.py)
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
     try:

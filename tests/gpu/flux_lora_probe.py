@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kernels  # noqa: E402
 from paco_ds.config import LoraConfig  # noqa: E402
 from paco_ds.models.flux import FluxPolicy  # noqa: E402
+from paco_ds.models.attention import set_attention_backend  # noqa: E402
 from paco_ds.models.lora import add_lora  # noqa: E402
 from paco_ds.models.tiny.flux import REDUCED_FLUX_TRANSFORMER  # noqa: E402
 
@@ -33,6 +34,9 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="triton", help="kernels backend for the SDE log-prob and PPO loss")
     p.add_argument("--sizes", default="1024x512,16x64", help="image x text tokens, comma-separated")
     p.add_argument("--transformer", default=None, help="JSON of a FluxTransformer2DModel config (default: reduced)")
+    p.add_argument("--sdpa", default="default", choices=("default", "math", "flash", "efficient", "cudnn"),
+                   help="restrict torch's scaled_dot_product_attention to one backend (to isolate a fault)")
+    p.add_argument("--no-lora", action="store_true", help="train the whole transformer instead of a LoRA")
     args = p.parse_args(argv)
     import json
 
@@ -42,9 +46,23 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16
     conf = json.loads(args.transformer) if args.transformer else REDUCED_FLUX_TRANSFORMER
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(**conf)
-    add_lora(model, LoraConfig(rank=64, alpha=128, target_modules=list(FluxPolicy.lora_targets)))
+    with torch.device(dev):  # initialised where it runs: a 0.7B model's init on the CPU takes longer than the probe
+        model = FluxTransformer2DModel(**conf)
+    if args.no_lora:
+        model.requires_grad_(True)
+    else:
+        add_lora(model, LoraConfig(rank=64, alpha=128, target_modules=list(FluxPolicy.lora_targets)))
     model.to(dev, dtype)
+    set_attention_backend(model, None)  # the trainer's default: PyTorch's SDPA without cuDNN's kernel
+    if args.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        only = sdpa_kernel(names[args.sdpa])  # held for the whole probe (a dropped context manager restores)
+        only.__enter__()
+    print(f"probe: backend {args.backend}, sdpa {args.sdpa}, {'whole model' if args.no_lora else 'LoRA r64'}, "
+          f"torch {torch.__version__}", flush=True)
     lora = [q for q in model.parameters() if q.requires_grad]
     channels, text_dim, pooled = conf["in_channels"], conf["joint_attention_dim"], conf["pooled_projection_dim"]
 

@@ -62,6 +62,40 @@ def test_the_backend_reaches_every_attention_processor_and_keeps_the_output(tiny
     assert torch.allclose(before, after, atol=1e-5)
 
 
+def test_the_default_sdpa_leaves_cudnn_out_for_the_policy_and_the_sft_model(tiny_cfg, tmp_path, monkeypatch):
+    """cuDNN's fused attention fails in its backward at FLUX's 512 px shape on Hopper (the GPU lane's
+    diagnose.log): the trainer's default attention, and the SFT model's, take PyTorch's SDPA without it.
+    An explicit backend is left alone."""
+    from paco_ds.sft.config import load_sft_config
+    from paco_ds.sft.model import load_model, write_tiny_base
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    policy = FluxPolicy.load(tiny_cfg.model, torch.device("cpu"))
+    set_attention_backend(policy.transformer, "_native_math")
+    assert calls == []
+    for name in (None, "native"):
+        set_attention_backend(policy.transformer, name)
+    assert calls == [False, False]
+    write_tiny_base(tmp_path / "base", 0)
+    load_model(tmp_path / "base", load_sft_config("configs/tiny/reward_sft.yaml", []), torch.float32)
+    load_model(tmp_path / "base", load_sft_config("configs/tiny/reward_sft.yaml", ["model.attn_implementation=eager"]),
+               torch.float32)
+    assert calls == [False, False, False]
+
+
+def test_leaving_cudnn_out_is_the_process_wide_torch_switch():
+    from paco_ds.models.attention import sdpa_without_cudnn
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        sdpa_without_cudnn()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 # ------------------------------------------------------------------------------------------------
 # The same choice for the Qwen2.5-VL models: the judge's hf engine and the reward-model SFT take
 # transformers' `attn_implementation`, checked the same way.
