@@ -291,3 +291,17 @@ def with_active_lora(policy, lora_cfg, seed: int = 1):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return policy
+
+
+@pytest.fixture(autouse=True)
+def _diffusers_attention_backend_restored():
+    """diffusers' `set_attention_backend` also sets a process-wide active backend: a test that routes one
+    model through `_native_flash` must not hand that to the next test's model (on the GPU lane it reached a
+    masked Z-Image transformer, which that kernel refuses)."""
+    module = sys.modules.get("diffusers.models.attention_dispatch")
+    before = module._AttentionBackendRegistry._active_backend if module else None
+    yield
+    module = sys.modules.get("diffusers.models.attention_dispatch")
+    if module is not None:
+        registry = module._AttentionBackendRegistry
+        registry._active_backend = before or module.AttentionBackendName(module.DIFFUSERS_ATTN_BACKEND)

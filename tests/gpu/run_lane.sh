@@ -108,7 +108,8 @@ import triton
 p = torch.cuda.get_device_properties(0)
 print(json.dumps({"gpu": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}",
                   "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-                  "python": sys.version.split()[0], "executable": sys.executable}))
+                  "python": sys.version.split()[0], "executable": sys.executable,
+                  "cudnn": torch.backends.cudnn.version()}))
 EOF
 rc=$?
 if [ $rc -ne 0 ]; then
@@ -134,14 +135,19 @@ print('imports ok: deepspeed', deepspeed.__version__, 'from', deepspeed.__file__
 
 stage_pytest() {
     "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu --junitxml="$RES/pytest_gpu.xml" || return 1
-    # on a GPU, a skipped GPU test is a failure of the lane
+    # on a GPU, a skipped GPU test is a failure of the lane, except one whose optional package (flash-attn,
+    # the `flash` extra) is not installed: its check says so in one line, and the lane lists it
     "$PY" - "$RES/pytest_gpu.xml" <<'EOF'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suite = root if root.tag == "testsuite" else root.find("testsuite")
 n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+skips = [(c.get("name"), s.get("message", "")) for c in suite.iter("testcase") for s in c.findall("skipped")]
+optional = [(name, m) for name, m in skips if "optional package not installed here" in m]
 print("junit:", n)
-sys.exit(0 if n["tests"] > 0 and n["skipped"] == 0 and n["failures"] == n["errors"] == 0 else 1)
+for name, m in optional:
+    print(f"skipped, optional package absent: {name}: {m}")
+sys.exit(0 if n["tests"] > 0 and len(skips) == len(optional) and n["failures"] == n["errors"] == 0 else 1)
 EOF
 }
 

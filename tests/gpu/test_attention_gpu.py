@@ -19,7 +19,7 @@ def test_a_flash_backend_equals_sdpa_in_bf16(backend):
     try:
         check_attention_backend(backend, FluxPolicy, device)
     except ConfigError as err:
-        pytest.skip(str(err))  # flash-attn not on this machine: the check says so in one line
+        pytest.skip(f"optional package not installed here: {err}")  # flash-attn: the check says so in one line
     cfg = ModelConfig(tiny=True, dtype="bf16", max_sequence_length=64)
     policy = FluxPolicy.load(cfg, device)
     emb = policy.encode_prompts(["a red fox on a bench", "two cats"])
@@ -42,7 +42,7 @@ def test_the_judge_with_flash_attention_2_equals_sdpa_in_bf16():
     try:
         check_attn_implementation("flash_attention_2", "reward_servers.attn_implementation", torch.device("cuda"))
     except ConfigError as err:
-        pytest.skip(str(err))
+        pytest.skip(f"optional package not installed here: {err}")
     ids = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 41]], device="cuda")
     out = {}
     for name in ("sdpa", "flash_attention_2"):
