@@ -26,5 +26,6 @@ def test_the_committed_json_is_the_scripts_output(tmp_path):
     assert fresh == json.loads((REPO / "benchmarks/results/switches.json").read_text()), \
         "rerun: python benchmarks/switches.py"
     zero3 = next(r for r in fresh["switches"] if r["switch"] == "`model.compile`")
-    assert zero3["sources"] == ["compile_blocks_cpu.json", "zero3_compile_cpu.json"]
+    assert zero3["sources"] == ["compile_blocks_cpu.json", "zero3_compile_cpu.json", "compile_blocks_nvidia-h200.json"]
     assert zero3["cpu"]["zero3_sampling_phase"] > 0
+    assert zero3["gpu_measured"]["training_step"] > 1 and f"{zero3['gpu_measured']['sampling_call']:.2f}x" in zero3["gpu"]
