@@ -129,6 +129,15 @@ class SDEWindow(Section):
         return self
 
 
+class TreeConfig(Section):
+    """Tree rollouts (BranchGRPO, arXiv 2509.06040; paco_ds/sampling/tree.py): a group is one tree that
+    splits into `branches` children at each of sample.noise_steps, so sample.group_size must be
+    branches ** len(noise_steps); every node is computed once, and each split step is trained with the
+    advantage of the node it created (leaf rewards averaged below it, normalised per depth)."""
+
+    branches: int = Field(2, ge=2)
+
+
 class SampleConfig(Section):
     num_steps: int = Field(10, ge=1)
     guidance_scale: float = 3.5
@@ -148,6 +157,7 @@ class SampleConfig(Section):
     ode_solver: Literal["euler", "ab2"] = "euler"
     ode_steps: int | None = Field(None, ge=1)
     sde_window: SDEWindow | None = None  # replaces noise_steps (and train.timesteps) when set
+    tree: TreeConfig | None = None  # tree rollouts: the group splits at each of noise_steps
 
     @field_validator("noise_steps")
     @classmethod
@@ -205,6 +215,8 @@ class LossSection(Section):
 
     # The loss checks train.timesteps itself (`check`): they need not be SDE steps with a log-prob.
     checks_own_timesteps: ClassVar[bool] = False
+    # The loss reads one advantage per trained step (`step_advantages`), as tree rollouts give them.
+    takes_step_advantages: ClassVar[bool] = False
 
     def check(self, cfg: "Config") -> None:
         """Raise ValueError, naming the keys, where the recipe contradicts this loss (only called
@@ -490,12 +502,33 @@ class Config(Recipe):
                                  f"sample.num_steps={self.sample.num_steps}")
             if self.train.timesteps is not None:
                 raise ValueError("train.timesteps: leave unset with sample.sde_window (the window is trained)")
+        if self.sample.tree is not None:
+            self._check_tree()
         if self.sample.noise_level > 0 and win is None:
             quiet = [j for j in steps if j not in self.sample.noise_steps]
             if quiet:
                 raise ValueError(f"train.timesteps {quiet} are not in sample.noise_steps {self.sample.noise_steps}: "
                                  "an ODE step has no log-probability")
         return self
+
+    def _check_tree(self) -> None:
+        s, tree = self.sample, self.sample.tree
+        leaves = tree.branches ** len(s.noise_steps)
+        if s.group_size != leaves:
+            raise ValueError(f"sample.tree: sample.group_size {s.group_size} must be the tree's leaves, branches ** "
+                             f"len(sample.noise_steps) = {tree.branches} ** {len(s.noise_steps)} = {leaves}")
+        for key, bad, why in (
+                ("sample.sde_window", s.sde_window is not None, "the tree splits at sample.noise_steps"),
+                ("sample.noise_level", s.noise_level <= 0, "a split needs noise (> 0)"),
+                ("sample.same_latent", not s.same_latent, "a tree has one root per group: set it true"),
+                ("sample.ode_steps", s.ode_steps is not None or s.ode_solver != "euler",
+                 "the tree walks every step (leave ode_steps unset, ode_solver euler)"),
+                ("train.timesteps", self.train.timesteps is not None and sorted(set(self.train.timesteps)) !=
+                 list(s.noise_steps), "every split is trained: leave it unset"),
+                ("train.loss", not getattr(self.train.loss_section, "takes_step_advantages", False),
+                 f"its advantages are per trained step, which train.loss={self.train.loss} does not read")):
+            if bad:
+                raise ValueError(f"{key} with sample.tree: {why}")
 
     @property
     def train_timesteps(self) -> list[int]:

@@ -329,6 +329,10 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     if win is not None and win.schedule == "sliding":
         places = range(win.range[0], win.range[1] - win.size + 1)
         calls = sum(len(plan_for(cfg, at)) for at in places) / len(places)
+    elif cfg.sample.tree is not None:  # a whole tree's nodes once (its leaves on one rank), per leaf
+        from paco_ds.sampling.tree import calls_per_tree
+
+        calls = calls_per_tree(n_steps, list(cfg.sample.noise_steps), cfg.sample.tree.branches) / cfg.sample.group_size
     else:
         calls = len(plan_for(cfg))
     flops = {SAMPLING: enc + calls * fwd + dec, SCORING: reward_flops / b, TRAINING: micro * trained}

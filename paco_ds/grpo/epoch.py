@@ -13,7 +13,7 @@ from paco_ds.sampling.trajectory import Trajectory, TrainingBatch, training_batc
 @dataclass
 class EpochSamples:
     """The epoch's rollout batches and, once scored, each sample's advantage and whether it trains
-    (one [B] tensor per rollout batch)."""
+    (one [B] tensor per rollout batch; advantages [B, T] under tree rollouts, one per trained step)."""
     trajectories: list[Trajectory] = field(default_factory=list)
     advantages: list[torch.Tensor] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)
@@ -23,7 +23,8 @@ class EpochSamples:
         """The training batch of these (rollout batch, sample) entries; a filler trains nothing
         (advantage 0, not kept)."""
         off = torch.tensor(fillers, dtype=torch.bool)
-        adv = torch.stack([self.advantages[k][i] for k, i in entries]).masked_fill(off, 0.0)
+        adv = torch.stack([self.advantages[k][i] for k, i in entries])  # [B], or [B, T] per trained step (a tree)
+        adv = adv.masked_fill(off.view(-1, *[1] * (adv.dim() - 1)), 0.0)
         keep = torch.stack([self.keep[k][i] for k, i in entries]) & ~off
         return training_batch([(self.trajectories[k], i) for k, i in entries], adv, keep)
 

@@ -125,6 +125,14 @@ def rollout_line(cfg: Config) -> str:
         calls = sorted({len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)})
         out = f"{calls[0]}-{calls[-1]}" if len(calls) > 1 else f"{calls[0]}"
         out += f" transformer calls per image of {s.num_steps} steps (by where the sliding window is)"
+    elif s.tree is not None:
+        from paco_ds.sampling.tree import calls_per_tree
+
+        per_tree = calls_per_tree(s.num_steps, list(s.noise_steps), s.tree.branches)
+        out = (f"{per_tree / s.group_size:.3g} transformer calls per image of {s.num_steps} steps: a tree of "
+               f"{s.group_size} leaves splitting in {s.tree.branches} at {list(s.noise_steps)} ({per_tree} calls, "
+               f"{s.group_size * s.num_steps} unshared; more where a group's leaves are on several ranks)")
+        return out
     else:
         out = f"{len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps"
     if s.ode_steps is not None:

@@ -173,6 +173,18 @@ def check_compile(cfg: Config) -> None:
         raise ConfigError(ENGINE_COMPILE_REFUSAL)
 
 
+def check_tree(cfg: Config) -> None:
+    """Tree rollouts make ranks run different numbers of forwards (a rank computes the nodes its
+    leaves need): only where a forward needs no collective, as the shared group prefix."""
+    if cfg.sample.tree is None:
+        return
+    from paco_ds.engine import recipe_zero_stage
+
+    if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
+        raise ConfigError("config key 'sample.tree': needs deepspeed.rollout_gather: once under ZeRO stage 3 (per-step "
+                          "gathering is a collective in every forward, and ranks compute different numbers of nodes)")
+
+
 def check_attention(cfg: Config) -> None:
     """model.attention_backend: a backend diffusers knows, installed, for a family whose attention
     dispatches (its device is checked by the training processes, paco_ds/grpo/run.py)."""
@@ -212,6 +224,7 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
         check_lora_file(cfg.model.lora.path, "config key 'model.lora.path':")
     check_deepspeed_config(cfg)
     check_compile(cfg)
+    check_tree(cfg)
     check_attention(cfg)
     check_sequence_length(cfg)
     check_lora_targets(cfg)

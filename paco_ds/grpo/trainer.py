@@ -34,6 +34,7 @@ from paco_ds.engine import create_engine, zero_stage
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
+from paco_ds.sampling.tree import group_members, tree_advantages
 from paco_ds.grpo.ema import EMA
 # EpochSamples: mid-epoch checkpoints written before it moved to epoch.py pickle it under this module.
 from paco_ds.grpo.epoch import EpochProgress, EpochSamples, epoch_line, micro_batches
@@ -194,10 +195,11 @@ class GRPOTrainer:
     def sample_epoch(self) -> EpochSamples:
         cfg, out = self.cfg, EpochSamples()
         batches = self.sampler.rank_batches(self.epoch)
+        member = group_members(self.sampler.epoch_plan(self.epoch).numpy())  # each position's leaf in its group
         calls = self.rollouts.transformer_calls
         with self.loss.sampling(), self.rollouts.module() as module:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
-                picks = [Pick(self.train_items[i], i, p) for i, p in zip(rb.indices, rb.positions)]
+                picks = [Pick(self.train_items[i], i, p, int(member[p])) for i, p in zip(rb.indices, rb.positions)]
                 for (h, w), picks in self.rollouts.by_size(picks, cfg.train.resolution):
                     traj = self.rollouts.sample(module, picks, h, w, self.epoch)
                     # scores while we sample on; editing rewards compare against the original references
@@ -224,10 +226,20 @@ class GRPOTrainer:
             latency_s=self.train_rewards.take_latencies())  # this epoch's judge requests, evaluation's included
         adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device)
         sizes = [len(t) for t in trajs]
-        samples.advantages = rewards.split(adv.advantages, sizes, torch.float32)
+        per_step = None
+        if self.cfg.sample.tree is not None:  # one advantage per trained step: the node each split created
+            per_step = tree_advantages(adv.combined, rewards.groups, group_members(rewards.groups),
+                                       self.cfg.sample.tree.branches, len(self.cfg.sample.noise_steps),
+                                       self.cfg.advantage.clip)
+            per_step[~adv.keep] = 0.0
+        samples.advantages = rewards.split(adv.advantages if per_step is None else per_step, sizes, torch.float32)
         samples.keep = rewards.split(adv.keep, sizes, torch.bool)
 
         metrics = rewards.metrics(adv)
+        if per_step is not None:
+            for d in range(per_step.shape[1]):
+                metrics[f"adv/tree_depth{d + 1}_abs_mean"] = float(np.abs(per_step[adv.keep, d]).mean()) \
+                    if adv.keep.any() else 0.0
         metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
         metrics |= judge_latency_metrics(rewards.latency_s)
         if self.dist.is_main and self.cfg.logging.num_train_images:

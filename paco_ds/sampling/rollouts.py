@@ -24,15 +24,18 @@ from paco_ds.models.base import Condition, Policy
 from paco_ds.models.compile import compiled_while_gathered
 from paco_ds.sampling.trajectory import Trajectory, make_generator, ode_prefix, sample_trajectories
 from paco_ds.sampling.solver import plan_for
+from paco_ds.sampling.tree import TreeCache, sample_tree
 from paco_ds.sampling.window import rollout_steps, window_start
 
 class Pick(NamedTuple):
     """One sample to draw: its prompt, its GRPO group (the prompt's index; the seed of an
-    evaluation image) and its position in the epoch (the seed of its noise)."""
+    evaluation image), its position in the epoch (the seed of its noise) and its index among its
+    group's samples (its leaf, under tree rollouts)."""
 
     item: PromptItem
     group: int
     position: int
+    member: int = 0
 
 
 class Rollouts:
@@ -55,6 +58,7 @@ class Rollouts:
         self.share_prefix = share_prefix and cfg.sample.same_latent
         self._prefixes: dict[tuple, dict[int, torch.Tensor]] = {}
         self._prefix_epoch = None
+        self._tree = TreeCache()  # sample.tree: the epoch's nodes on this rank
         self.transformer_calls = 0  # rows x steps sampled so far (the plan and the shared prefixes make it smaller)
 
     @contextlib.contextmanager
@@ -108,6 +112,12 @@ class Rollouts:
                                          [make_generator(seed, "latent", epoch, k) for k in latent_keys])
         condition = self.condition([p.item for p in picks], h, w)
         embeds = self.policy.encode_prompts(prompts, condition)
+        if cfg.sample.tree is not None:
+            traj, calls = sample_tree(self.policy, module, picks, embeds, h, w, cfg=cfg, epoch=epoch, sde_fn=self.sde,
+                                      nodes=self._tree.for_epoch(epoch), condition=condition,
+                                      keep_mean=self.needs.mean_old, keep_final=self.needs.clean_latents)
+            self.transformer_calls += calls
+            return traj
         noise_steps, train_steps = rollout_steps(cfg, epoch, [p.group for p in picks], self.train_timesteps)
         start = 0
         if self.share_prefix:

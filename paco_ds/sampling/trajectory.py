@@ -59,7 +59,7 @@ class Trajectory:
 class TrainingBatch(Trajectory):
     """Samples stacked for one training micro-step, with each one's advantage (`training_batch`)."""
 
-    advantages: torch.Tensor  # [B] fp32
+    advantages: torch.Tensor  # [B] fp32; [B, T] under tree rollouts: one per trained step (`step_advantages`)
     keep: torch.Tensor  # [B] bool: trained (False: the epoch drops it, or a zero-advantage filler)
 
 
@@ -71,6 +71,7 @@ def sample_trajectories(
     sde_fn: Callable = sde_step, condition: Condition | None = None, keep_final: bool = False,
     keep_mean: bool = False, metadata: list[dict] | None = None, positions: list[int] | None = None,
     group_ids: list[int] | None = None, plan: list[Step] | None = None, start: int = 0,
+    noise_fn: Callable[[int, int], torch.Tensor] | None = None,
 ) -> Trajectory:
     """Run the sampler for one batch; with noise_level 0 and no train steps this is pure ODE (eval).
 
@@ -82,7 +83,8 @@ def sample_trajectories(
     `metadata`, `positions`, `group_ids`: each sample's (default: no metadata, its own group at its
     index in the batch). `plan`: the steps (default one per schedule step; paco_ds/sampling/solver.py
     walks ODE-only stretches in fewer); `start`: the schedule index `initial_latents` are at (a
-    group's shared prefix already walked, see paco_ds/sampling/rollouts.py)."""
+    group's shared prefix already walked, see paco_ds/sampling/rollouts.py); `noise_fn(r, i)`: sample
+    r's SDE noise at step i instead of its generator's next draw (a tree leaf's unshared path)."""
     b = len(prompts)
     sigmas = policy.sigmas(num_steps, height, width)
     x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)
@@ -101,6 +103,10 @@ def sample_trajectories(
     if off_plan:
         raise ValueError(f"steps {off_plan} are SDE or trained steps inside an ODE stretch walked in fewer steps")
     walk = OdeWalk(sigmas)
+
+    def draw(r: int, i: int) -> torch.Tensor:
+        return noise_fn(r, i) if noise_fn is not None else torch.randn(x.shape[1:], generator=generators[r])
+
     for st in plan:
         i = st.i
         s, s_next = sigmas[i].item(), sigmas[st.k].item()
@@ -111,7 +117,7 @@ def sample_trajectories(
             level = noise_level if rows else 0.0
             noise = None
             if level > 0:
-                noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
+                noise = torch.stack([draw(r, i) for r in range(b)]).to(x.device)
             step = sde_fn(x, v, s, s_next, level, sigmas[1].item(), noise=noise, sde_type=sde_type)
             x_next = step.prev_sample.to(latent_dtype)
             lp = step.log_prob.float().cpu() if level > 0 else None
@@ -119,7 +125,7 @@ def sample_trajectories(
             at = {r: r for r in range(b)}
         else:  # an ODE step for all, the SDE step for the samples whose window has step i
             ode = sde_fn(x, v, s, s_next, 0.0, sigmas[1].item(), sde_type=sde_type)
-            noise = torch.stack([torch.randn(x.shape[1:], generator=generators[r]) for r in rows]).to(x.device)
+            noise = torch.stack([draw(r, i) for r in rows]).to(x.device)
             step = sde_fn(x[rows], v[rows], s, s_next, noise_level, sigmas[1].item(), noise=noise, sde_type=sde_type)
             x_next = ode.prev_sample.to(latent_dtype).clone()
             x_next[rows] = step.prev_sample.to(latent_dtype)
@@ -234,3 +240,9 @@ def training_batch(entries: list[tuple[Trajectory, int]], advantages: torch.Tens
     return TrainingBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)},
                          advantages=torch.as_tensor(advantages, dtype=torch.float32),
                          keep=torch.as_tensor(keep, dtype=torch.bool))
+
+
+def step_advantages(batch: TrainingBatch, t: int) -> torch.Tensor:
+    """[B]: the advantages of the batch's t-th trained step (the sample's own, or under tree rollouts
+    its step's node's)."""
+    return batch.advantages[:, t] if batch.advantages.dim() == 2 else batch.advantages

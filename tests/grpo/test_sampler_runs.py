@@ -43,3 +43,16 @@ def test_mixgrpo_flash_slides_its_window_and_resumes_exactly(tmp_path):
     # per sample: epoch 0 walks steps 0, 1 and one AB2 step over 2-6 (3 calls); epoch 1 one step over
     # 0-2, then 2, 3, and one over 4-6 (4 calls, the first shared by a group's same-latent samples)
     assert rows[0]["sample/transformer_calls"] < rows[1]["sample/transformer_calls"] <= 8 * 4
+
+
+def test_tree_rollouts_train_with_per_step_advantages_and_resume_exactly(tmp_path):
+    # the short run's groups of 4: a tree splitting in 2 at steps 0 and 3
+    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_tree.yaml", "sample.noise_steps=[0, 3]")
+    for r in rows:
+        assert r["train/ratio_first"] == 1.0  # each leaf's stored split log-probs, recomputed in training
+        assert r["train/micro_steps"] == 8  # per rank: 4 leaves x the tree's 2 splits
+        # each rank computes the nodes its leaves need, shared where two of its leaves share them (two
+        # groups over 4 leaves per rank: some always do), so the 8 leaves cost fewer than 8 x 6 calls
+        assert r["sample/transformer_calls"] < 8 * 6
+        assert r["adv/tree_depth1_abs_mean"] > 0 and r["adv/tree_depth2_abs_mean"] > 0
+    assert rows[1]["train/grad_norm"] > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -18,11 +19,13 @@ import kernels
 from paco_ds.config import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds
 from paco_ds.models.base import Policy
-from paco_ds.sampling.trajectory import transition_log_prob
+from paco_ds.sampling.trajectory import step_advantages, transition_log_prob
 
 
 class PPOConfig(LossSection):
     """`train.ppo`: PPO-clip on the SDE transition log-ratio."""
+
+    takes_step_advantages: ClassVar[bool] = True  # each trained step's own (tree rollouts, sample.tree)
 
     clip_range: float = Field(1e-4, gt=0)
     ratio_norm: bool = False  # GRPO-Guard (arXiv 2510.22319): RatioNorm + per-step gradient reweighting
@@ -70,14 +73,15 @@ class PPOClip(Loss):
         dev = step.log_prob.device
         old = batch.log_prob[:, t].to(dev)
         if not self.guard:
-            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, batch.advantages.to(dev), cfg.train.ppo.clip_range,
-                                                cfg.advantage.clip, backend=cfg.kernels.backend)
+            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, step_advantages(batch, t).to(dev),
+                                                cfg.train.ppo.clip_range, cfg.advantage.clip,
+                                                backend=cfg.kernels.backend)
         else:
             dt = (batch.sigma[:, t] - batch.sigma_next[:, t]).to(dev).float()
             z = ratio_norm(step.log_prob, old, step.mean, batch.mean_old[:, t].to(dev), step.std * dt.sqrt())
             # Gradient reweighting: the step's PPO term / dt; folded into the (already clipped)
             # advantages, which is exact since dt > 0 and the max of the PPO term is linear in A.
-            adv = batch.advantages.to(dev).float().clamp(-cfg.advantage.clip, cfg.advantage.clip) / dt
+            adv = step_advantages(batch, t).to(dev).float().clamp(-cfg.advantage.clip, cfg.advantage.clip) / dt
             loss, stats = kernels.ppo_clip_loss(z, torch.zeros_like(z), adv, cfg.train.ppo.clip_range, math.inf,
                                                 backend=cfg.kernels.backend)
             # every sample's t-th trained step is the same step j unless windows are drawn per group
