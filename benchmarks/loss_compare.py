@@ -1,5 +1,5 @@
-"""PPO-clip, GRPO-Guard, Flow-GRPO-Fast, DiffusionNFT, AWM, online DPO, DGPO, CPS sampling and MixGRPO-Flash
-on the tiny T2IS recipe, same images.
+"""PPO-clip, GRPO-Guard, Flow-GRPO-Fast, DiffusionNFT, AWM, online DPO, DGPO, CPS sampling, MixGRPO-Flash and
+tree rollouts on the tiny T2IS recipe, same images.
 
 Every method runs the real trainer (deepspeed launcher, 2 ZeRO-3 CPU processes) from its tiny
 recipe with one learnable reward, jpeg_compressibility, the same seeds, the same prompts per epoch,
@@ -12,7 +12,7 @@ time/epoch: sampling + reward + training, no start-up, no eval). Prints a table,
 benchmarks/results/loss_compare_cpu.json and the reward-vs-images curves (mean +- std over seeds)
 as loss_compare_cpu.png.
 
-    python benchmarks/loss_compare.py                      # 9 methods x 3 seeds, about 45 min on 2 cores
+    python benchmarks/loss_compare.py                      # 10 methods x 3 seeds, about 50 min on 2 cores
     python benchmarks/loss_compare.py --methods awm --merge  # one method, merged into the results file
 
 `--merge` runs only the given methods and replaces their runs in the existing results (the other
@@ -55,6 +55,7 @@ METHODS = {  # name -> (tiny recipe, extra --set)
     "dgpo": ("configs/tiny/t2is_dgpo.yaml", ()),
     "cps": ("configs/tiny/t2is_cps.yaml", ()),
     "mixgrpo_flash": ("configs/tiny/t2is_mixgrpo_flash.yaml", ()),
+    "tree": ("configs/tiny/t2is_tree.yaml", ()),
 }
 REWARD = "jpeg_compressibility"
 
@@ -72,6 +73,7 @@ FULL_SCALE = {
     "dgpo": ("configs/flux_t2is.yaml", (*ODE, "train.loss=dgpo", "train.batch_size=16")),
     "cps": ("configs/flux_t2is.yaml", ("sample.sde_type=cps", "sample.noise_level=0.8")),
     "mixgrpo_flash": ("configs/flux_t2is_mixgrpo_flash.yaml", ()),
+    "tree": ("configs/flux_t2is_tree.yaml", ()),
 }
 PLAN_DATA = ("data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
              "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8")

@@ -230,7 +230,7 @@ def test_the_nft_recipe_is_planned_with_its_old_policy():
     assert plan.flops["training"] > 0
 
 
-def test_the_loss_comparison_counts_dpo_dgpo_and_mixgrpo_flash_at_full_size(tmp_path):
+def test_the_loss_comparison_counts_dpo_dgpo_mixgrpo_flash_and_tree_rollouts_at_full_size(tmp_path):
     # benchmarks/loss_compare.py --full-scale: each method's full-size recipe planned. DGPO trains
     # every sample at each drawn step (the reference's forward and the policy's); DPO only the pair
     # of each group of k, so its training FLOPs per image are 2/k of the plan's per-row count.
@@ -243,7 +243,7 @@ def test_the_loss_comparison_counts_dpo_dgpo_and_mixgrpo_flash_at_full_size(tmp_
     sys.path.insert(0, str(REPO / "benchmarks"))
     import loss_compare
 
-    loss_compare.full_scale(["dgpo", "dpo", "mixgrpo_flash"], tmp_path, {})
+    loss_compare.full_scale(["dgpo", "dpo", "mixgrpo_flash", "tree"], tmp_path, {})
     rows = {r["method"]: r for r in json.loads((tmp_path / "loss_compare_full_scale.json").read_text())["methods"]}
     # MixGRPO-Flash's rollout plan moves with its window: the calls are the mean over its places
     cfg = load_config(REPO / "configs/flux_t2is_mixgrpo_flash.yaml", list(loss_compare.PLAN_DATA))
@@ -251,6 +251,12 @@ def test_the_loss_comparison_counts_dpo_dgpo_and_mixgrpo_flash_at_full_size(tmp_
     calls = [len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)]
     assert rows["mixgrpo_flash"]["transformer_calls_per_image"] == pytest.approx(sum(calls) / len(calls))
     assert rows["mixgrpo_flash"]["transformer_calls_per_image"] < 10
+    # a tree of 16 leaves splitting in 2 at steps 0, 2, 3 and 5 of 10: 89 calls for the group's 16 images,
+    # and each image trains its 4 splits
+    tree = rows["tree"]
+    assert tree["transformer_calls_per_image"] == pytest.approx(89 / 16) and tree["trained_steps_per_sample"] == 4
+    assert tree["fits_8x80"]
+    assert tree["tflops_per_image"]["sampling"] < 6 * tree["transformer_forward_tflops"]
     dgpo, dpo = rows["dgpo"], rows["dpo"]
     assert dgpo["fits_8x80"] and dpo["fits_8x80"]
     assert dgpo["transformer_calls_per_image"] == dpo["transformer_calls_per_image"] == 10  # an ODE rollout
