@@ -309,6 +309,7 @@ class GRPOTrainer:
             self.global_step += 1
             if self.ema is not None:
                 self.ema.step(self.global_step)
+            self.loss.after_optimizer_step(self.global_step)
             norm = self.engine.get_global_grad_norm()
             if norm is not None:
                 self.guard.grad_norm(float(norm), self.global_step, out)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stub_policy import grouped_batch, stub_loss
-from paco_ds.grpo.losses.dgpo import DGPO, dgpo_loss, preference_terms
+from paco_ds.grpo.losses.dgpo import DGPO, clip_dsm, dgpo_loss, old_policy_decay, preference_terms
 from paco_ds.grpo.plan import load_config
 from paco_ds.sampling.trajectory import make_generator
 
@@ -257,3 +257,62 @@ def test_bad_dgpo_config_names_the_key(sets, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(RECIPE, sets)
+
+
+# ------------------------------------------------------------------------------------------------
+# clip_dsm and the old policy (the authors' ema_ref), against their lines in scripts/train_sd3_dgpo.py
+# ------------------------------------------------------------------------------------------------
+def test_clip_dsm_cuts_the_gradient_of_the_rows_the_authors_clip():
+    g = torch.Generator().manual_seed(0)
+    dsm = torch.rand(64, generator=g, dtype=torch.float64).requires_grad_()
+    old = dsm.detach() + 0.1 * torch.randn(64, generator=g, dtype=torch.float64)
+    advantages = torch.randn(64, generator=g, dtype=torch.float64)
+    clip_range = 5e-2
+    # the authors' lines (`if use_old:` ... `if config.clip_dsm:`), verbatim but for the names of the inputs
+    dsm_loss, old_dsm_loss = dsm * 1, old
+    ratio = torch.exp(-dsm_loss + old_dsm_loss)
+    should_clip = torch.where(
+        advantages > 0,
+        ratio > 1.0 + clip_range,
+        ratio < 1.0 - clip_range,
+    )
+    dsm_loss = torch.where(should_clip, dsm_loss.detach(), dsm_loss)
+    ours, cut = clip_dsm(dsm, old, advantages, clip_range)
+    assert torch.equal(cut, should_clip) and 0 < int(cut.sum()) < 64
+    assert torch.equal(ours, dsm_loss)
+    (g_ours,) = torch.autograd.grad((ours * advantages).sum(), dsm)
+    (g_ref,) = torch.autograd.grad((dsm_loss * advantages).sum(), dsm)
+    assert torch.equal(g_ours, g_ref) and torch.all(g_ours[cut] == 0) and torch.all(g_ours[~cut] != 0)
+
+
+def test_the_old_policy_follows_the_authors_ema_ref_and_clips_a_third_forward():
+    loss, policy, module, _ = _loss(0.3, 0.3, "train.dgpo.clip_dsm=true", "train.dgpo.sample_with_old_after=2")
+    loss.setup([module.w])
+    ema = module.w.detach().clone()  # their EMAModuleWrapper's copy, made when training starts
+    for global_step in range(1, 5):  # optimizer steps 1..4 (their global_step 0..3 at the update)
+        with torch.no_grad():
+            module.w += 0.05 * global_step
+        decay = min(0.3, 0.001 * (global_step - 1))  # ema_ref_decay = min(0.3, 0.001 * global_step), theirs
+        ema.add_((1 - decay) * (module.w.detach() - ema))  # EMAModuleWrapper.step with that decay
+        loss.after_optimizer_step(global_step)
+        assert torch.allclose(loss.old.shadow[0], ema.float(), rtol=0, atol=1e-6)
+        current = float(module.w.detach())
+        with loss.sampling():  # their switch_ema_ref: sampling with the old weights after that many steps
+            inside = float(module.w.detach())
+        assert float(module.w.detach()) == current  # and back after it
+        old = float(loss.old.shadow[0])
+        if global_step == 1:  # decay 0: the old policy is a copy of the weights after the first step
+            assert inside == current == old
+        elif global_step == 2:  # not yet past sample_with_old_after: the current weights sample
+            assert inside == current != old
+        else:
+            assert inside == old != current
+    assert old_policy_decay(1) == 0.0 and old_policy_decay(301) == 0.3 == old_policy_decay(5000)
+    module.forwards = 0
+    _, stats = loss(module, grouped_batch([1.0, -1.0, 0.5, -0.5], [0, 0, 1, 1]), 0)
+    assert module.forwards == 3 and 0.0 <= stats["dgpo_clipfrac"] <= 1.0  # reference, old, policy
+    saved = loss.state_dict()
+    again, _, module2, _ = _loss(0.3, 0.3, "train.dgpo.clip_dsm=true", "train.dgpo.sample_with_old_after=2")
+    again.setup([module2.w])
+    again.load_state_dict(saved)
+    assert torch.equal(again.old.shadow[0], loss.old.shadow[0]) and again.global_step == 4

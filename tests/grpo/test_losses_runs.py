@@ -83,3 +83,14 @@ def test_dgpo_sums_each_group_over_both_ranks_and_resumes_exactly(tmp_path):
     assert rows[0]["train/dgpo_z"] == 0.0 and rows[0]["train/dgpo_weight"] == 0.5
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/grad_norm"] > 0
     assert rows[1]["train/dgpo_weight"] != 0.5
+
+
+def test_dgpo_with_the_old_policy_clips_samples_with_it_and_resumes_exactly(tmp_path):
+    # The authors' clip_dsm and switch_ema_ref: the old policy, blended after every optimizer step, is
+    # a third forward of each trained step, and from the first optimizer step on the rollouts sample with it.
+    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dgpo.yaml", "train.dgpo.clip_dsm=true",
+                           "train.dgpo.sample_with_old_after=0")
+    for r in rows:
+        assert r["train/micro_steps"] == 2 and r["train/forwards_per_step"] == 3.0  # reference, old, policy
+        assert 0.0 <= r["train/dgpo_clipfrac"] <= 1.0
+    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/grad_norm"] > 0

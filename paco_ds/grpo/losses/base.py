@@ -78,6 +78,9 @@ class Loss:
     def end_epoch(self, global_step: int) -> None:
         """After the epoch's optimizer steps."""
 
+    def after_optimizer_step(self, global_step: int) -> None:
+        """After each optimizer step; `global_step` counts it (e.g. DGPO's EMA old policy)."""
+
     def epoch_metrics(self, out: dict[str, float]) -> dict[str, float]:
         """The epoch's rank-averaged `train/` metrics, completed; resets the per-epoch counters."""
         out["train/sde_logprob_rows"] = float(self.sde_logprob_rows)

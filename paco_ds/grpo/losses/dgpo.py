@@ -35,11 +35,20 @@ with `num_train_timesteps`).
 Reference: the base model, adapter disabled (the authors' default `use_ema_ref: False`), so there
 are no weights of its own to keep. Two transformer forwards per micro-step; `train.kl_beta > 0` adds
 mean((v_theta - v_ref)^2) from the same two. Advantages are clamped to +-`adv_clip_max` first (the
-authors' `adv_clip_max`, 5). The authors' optional PPO-style clip of dsm against an EMA "old" policy
-(`clip_dsm`, updated every optimizer step) is not implemented here: docs/losses.md.
+authors' `adv_clip_max`, 5).
+
+The old policy (the authors' `ema_ref`), kept when `clip_dsm` or `sample_with_old_after` asks for it:
+an fp32 copy of this rank's adapter shards, blended after every optimizer step n as
+old <- d old + (1 - d) theta with d = min(0.3, 0.001 (n - 1)) (the authors' decay at that step).
+- `clip_dsm`: a third forward, the old policy's, without gradient; with ratio = exp(dsm_old - dsm),
+  a row whose ratio left [1 - clip_range, 1 + clip_range] on its advantage's side (above for A > 0,
+  below otherwise) contributes its dsm without gradient (PPO-style, as the authors' `clip_dsm`).
+- `sample_with_old_after` (their `switch_ema_ref`): after that many optimizer steps the rollouts sample
+  with the old policy.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from functools import partial
 from typing import Literal
@@ -49,7 +58,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from paco_ds.config import Config, LossSection
-from paco_ds.grpo.losses.base import Loss, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
+from paco_ds.grpo.losses.base import Loss, OldPolicy, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator
 
@@ -62,6 +71,9 @@ class DGPOConfig(LossSection):
     timestep_sampling: Literal["fixed", "truncated"] = "truncated"  # the authors' sampler (their default)
     num_timesteps: int = Field(4, ge=1)  # `truncated`: steps drawn per epoch (num_train_timesteps)
     trunc_steps: int = Field(6, ge=0)  # `truncated`: drawn from steps 0..trunc_steps
+    clip_dsm: bool = False  # PPO-style clip of dsm against the EMA old policy (the authors' clip_dsm)
+    clip_range: float = Field(5e-2, gt=0)  # the authors' clip_range (jpeg 5e-2; GenEval and OCR 1e-2)
+    sample_with_old_after: int | None = Field(None, ge=0)  # the authors' switch_ema_ref (200 or 500)
 
     checks_own_timesteps = True  # no SDE log-prob: `check` validates train.timesteps
 
@@ -87,6 +99,21 @@ def preference_terms(dsm: torch.Tensor, ref: torch.Tensor, advantages: torch.Ten
                      k: int) -> torch.Tensor:
     """Each row's share of its group's z_g: A_i beta (dsm_i - ref_i) / k, without gradient."""
     return advantages * beta * (dsm.detach() - ref) / k
+
+
+def old_policy_decay(global_step: int) -> float:
+    """The old policy's blend after optimizer step `global_step` (1-based): the authors' min(0.3, 0.001 s)
+    with s their step count before it (Luo-Yihong/DGPO, scripts/train_sd3_dgpo.py, `ema_ref.step`)."""
+    return min(0.3, 0.001 * (global_step - 1))
+
+
+def clip_dsm(dsm: torch.Tensor, old_dsm: torch.Tensor, advantages: torch.Tensor,
+             clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dsm with the gradient cut where the ratio exp(old_dsm - dsm) left the clip range on the side of
+    the row's advantage, which rows were cut): the authors' `clip_dsm`."""
+    ratio = torch.exp(old_dsm - dsm.detach())
+    cut = torch.where(advantages > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
+    return torch.where(cut, dsm.detach(), dsm), cut
 
 
 def dgpo_loss(dsm: torch.Tensor, advantages: torch.Tensor, groups: list[int], all_groups: list[int],
@@ -117,6 +144,23 @@ class DGPO(Loss):
         self.slots = list(cfg.train_timesteps)  # `fixed`: the trained step indices; else slot numbers
         self.micro_steps: dict[int, int] = {}  # per slot, the micro-steps so far this epoch (as every rank)
         self.epoch = 0
+        self.old: OldPolicy | None = None
+        self.global_step = 0
+
+    def setup(self, params):
+        if self.dgpo.clip_dsm or self.dgpo.sample_with_old_after is not None:
+            self.old = OldPolicy(params, "train.dgpo.clip_dsm / sample_with_old_after")
+
+    def after_optimizer_step(self, global_step):
+        self.global_step = global_step
+        if self.old is not None:
+            self.old.blend(old_policy_decay(global_step))
+
+    def sampling(self):
+        after = self.dgpo.sample_with_old_after
+        if self.old is not None and after is not None and self.global_step > after:
+            return self.old.swapped_in()
+        return contextlib.nullcontext()
 
     def begin_epoch(self, epoch):
         super().begin_epoch(epoch)
@@ -169,10 +213,17 @@ class DGPO(Loss):
         # the no-grad reference forward first: it toggles the adapter, which must not happen under a live graph
         with torch.no_grad(), policy.adapter_disabled(module):
             v_ref = call()
+        v_old = None
+        if d.clip_dsm:
+            with torch.no_grad(), self.old.swapped_in():
+                v_old = call()
         v = call()
         dsm = (v.float() - target).pow(2).flatten(1).mean(1)
         ref = (v_ref.float() - target).pow(2).flatten(1).mean(1)
         adv = batch.advantages.to(dev).float().clamp(-d.adv_clip_max, d.adv_clip_max)
+        clipped = None
+        if v_old is not None:
+            dsm, clipped = clip_dsm(dsm, (v_old.float() - target).pow(2).flatten(1).mean(1), adv, d.clip_range)
         live = batch.keep.to(dev).float()  # fillers (padding for matched ZeRO-3 collectives) add nothing
         groups = list(batch.group_ids)
         terms = preference_terms(dsm, ref, adv, d.beta, cfg.sample.group_size)
@@ -185,6 +236,8 @@ class DGPO(Loss):
                  "dgpo_dsm": mean(dsm), "dgpo_ref_dsm": mean(ref), "dgpo_sigma": sigma,
                  "dgpo_group_coverage": sum(members.values()) / (len(members) * cfg.sample.group_size)
                  if members else 0.0}
+        if clipped is not None:
+            stats["dgpo_clipfrac"] = mean(clipped.float())
         kl = 0.0
         if cfg.train.kl_beta > 0:
             kl_t = ((v.float() - v_ref.float()).pow(2).flatten(1).mean(1) * live).sum() / len(batch)
@@ -194,6 +247,16 @@ class DGPO(Loss):
 
     def epoch_state(self):
         return {**super().epoch_state(), "micro_steps": dict(self.micro_steps)}  # they seed the noise
+
+    def state_dict(self):
+        if self.old is None:
+            return {}
+        return {"old": [s.cpu() for s in self.old.shadow], "global_step": self.global_step}
+
+    def load_state_dict(self, state):
+        if self.old is not None:
+            self.old.load_copies(state["old"], "the DGPO old policy")
+            self.global_step = state["global_step"]
 
     def load_epoch_state(self, state):
         super().load_epoch_state(state)
