@@ -72,25 +72,19 @@ def test_dpo_pairs_within_micro_batches_on_two_zero3_ranks_and_resumes_exactly(t
 def test_dgpo_sums_each_group_over_both_ranks_and_resumes_exactly(tmp_path):
     # SHORT_RUN's 4 prompts x 4 images, a rank's 8 in one micro-batch: each group's members on both
     # ranks are summed in the same micro-step, so every group's sigmoid weight sees all 4 of them.
-    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dgpo.yaml")
+    # With the authors' clip_dsm and switch_ema_ref on: the old policy, blended after every optimizer
+    # step, is a third forward of each trained step, and from the first optimizer step on the rollouts
+    # sample with it (one launch for both: the loss without them is the same code minus that forward).
+    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dgpo.yaml", "train.dgpo.clip_dsm=true",
+                           "train.dgpo.sample_with_old_after=0")
     for r in rows:
         assert r["train/sde_logprob_rows"] == 0  # ODE rollout, no SDE log-prob in training
-        # per rank: 1 micro-batch x 2 drawn steps, each the reference (no grad) + the policy
-        assert r["train/micro_steps"] == 2 and r["train/forwards_per_step"] == 2.0
+        # per rank: 1 micro-batch x 2 drawn steps, each the reference and the old policy (no grad) + the policy
+        assert r["train/micro_steps"] == 2 and r["train/forwards_per_step"] == 3.0
         assert r["train/dgpo_group_coverage"] == 1.0 and r["train/kl"] == 0.0
+        assert 0.0 <= r["train/dgpo_clipfrac"] <= 1.0
     # epoch 0 trains the initial adapter (zero): the policy is the reference, z = 0, every weight 1/2,
     # and the gradient is already the advantage-weighted matching one
     assert rows[0]["train/dgpo_z"] == 0.0 and rows[0]["train/dgpo_weight"] == 0.5
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/grad_norm"] > 0
     assert rows[1]["train/dgpo_weight"] != 0.5
-
-
-def test_dgpo_with_the_old_policy_clips_samples_with_it_and_resumes_exactly(tmp_path):
-    # The authors' clip_dsm and switch_ema_ref: the old policy, blended after every optimizer step, is
-    # a third forward of each trained step, and from the first optimizer step on the rollouts sample with it.
-    rows = resumes_exactly(tmp_path, REPO / "configs/tiny/t2is_dgpo.yaml", "train.dgpo.clip_dsm=true",
-                           "train.dgpo.sample_with_old_after=0")
-    for r in rows:
-        assert r["train/micro_steps"] == 2 and r["train/forwards_per_step"] == 3.0  # reference, old, policy
-        assert 0.0 <= r["train/dgpo_clipfrac"] <= 1.0
-    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/grad_norm"] > 0
