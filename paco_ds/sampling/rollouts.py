@@ -107,9 +107,6 @@ class Rollouts:
             # every rollout of the epoch has its window at one place: the ODE stretches are around it
             self.plan, self._plan_epoch = plan_for(cfg, window_start(cfg, epoch)), epoch
         prompts = [p.item.prompt for p in picks]
-        latent_keys = [(p.group if cfg.sample.same_latent else f"p{p.position}") for p in picks]
-        x0 = self.policy.initial_latents(len(picks), h, w,
-                                         [make_generator(seed, "latent", epoch, k) for k in latent_keys])
         condition = self.condition([p.item for p in picks], h, w)
         embeds = self.policy.encode_prompts(prompts, condition)
         if cfg.sample.tree is not None:
@@ -118,6 +115,9 @@ class Rollouts:
                                       keep_mean=self.needs.mean_old, keep_final=self.needs.clean_latents)
             self.transformer_calls += calls
             return traj
+        latent_keys = [(p.group if cfg.sample.same_latent else f"p{p.position}") for p in picks]
+        x0 = self.policy.initial_latents(len(picks), h, w,
+                                         [make_generator(seed, "latent", epoch, k) for k in latent_keys])
         noise_steps, train_steps = rollout_steps(cfg, epoch, [p.group for p in picks], self.train_timesteps)
         start = 0
         if self.share_prefix:
