@@ -82,6 +82,16 @@ def stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
+def rank_probe(script: str, out: Path, name: str, nproc: int = 2, timeout: float = 300) -> list:
+    """Run tests/scripts/`script` on `nproc` CPU ranks under the deepspeed launcher, writing to `out`;
+    it must exit 0. Each rank's result, read from `out`/<name>_rank<r>.json."""
+    cmd = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+           str(REPO / "tests/scripts" / script), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, tail(proc)
+    return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(nproc)]
+
+
 def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (proc.stdout[-n:] + "\n---\n" + proc.stderr[-n:])
 

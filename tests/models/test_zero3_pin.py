@@ -7,23 +7,15 @@ GatheredParameters alone must (still) release them after a forward, which is why
 Within the phase DeepSpeed's forward hooks are lifted (nothing is left for them to do, and a
 compiled block must not trace them) and put back after it.
 """
-import json
-import subprocess
-
 import pytest
 
-from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port
+from distributed_runs import rank_probe
 
 pytestmark = pytest.mark.runs
 
 
 def test_pin_keeps_parameters_gathered_for_the_phase_and_releases_after(tmp_path):
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "tests/scripts/pin_probe.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for rank in range(2):
-        r = json.loads((tmp_path / f"pin_rank{rank}.json").read_text())
+    for r in rank_probe("pin_probe.py", tmp_path, "pin"):
         n = len(r["before"])
         assert all(r["partitioned"]), "every parameter is split over the 2 ranks"
         assert r["before"] == [False] * n, "released before the phase"
