@@ -305,3 +305,64 @@ def _diffusers_attention_backend_restored():
     if module is not None:
         registry = module._AttentionBackendRegistry
         registry._active_backend = before or module.AttentionBackendName(module.DIFFUSERS_ATTN_BACKEND)
+
+
+# ------------------------------------------------------------------------------------ the skip policy
+# A lane that tested nothing must not pass. Each lane (every make target, and the GPU lane's pytest stage)
+# declares the skips it allows on pytest's command line:
+#   --allowed-skips=N    turns the policy on: at most N skips whose reason matches no --allow-skip
+#   --allow-skip=TEXT    (repeatable) a skip whose reason contains TEXT is allowed, however many
+# With the policy on, more skips than allowed, or a session in which no test passed, fails the session
+# (exit status 1, one line saying why). Without --allowed-skips (a file run by hand) nothing changes.
+# Command-line options, not environment variables: a test's own pytest subprocess (the Triton
+# interpreter's) must not inherit its parent's allowance.
+SKIP_POLICY_EXIT = 1
+
+
+def skip_policy_verdict(passed: int, skips: list[tuple[str, str]], allowed: int, reasons: list[str]) -> str | None:
+    """Why a session with `passed` passed tests and `skips` (test id, reason) breaks a lane's policy of at
+    most `allowed` skips besides those whose reason contains one of `reasons`; None if it does not."""
+    other = [(test, why) for test, why in skips if not any(r in why for r in reasons)]
+    if len(other) > allowed:
+        test, why = other[0]
+        return (f"skip policy: {len(other)} tests skipped for a reason this lane does not allow (at most {allowed}); "
+                f"first: {test}: {why}")
+    if passed == 0:
+        return f"skip policy: no test passed ({len(skips)} skipped): a lane that tested nothing fails"
+    return None
+
+
+class _SkipPolicy:
+    def __init__(self):
+        self.passed, self.skips, self.verdict = 0, [], None
+
+    def pytest_runtest_logreport(self, report):
+        if hasattr(report, "wasxfail"):
+            return
+        if report.when == "call" and report.passed:
+            self.passed += 1
+        elif report.skipped:
+            why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skips.append((report.nodeid, why.removeprefix("Skipped: ")))
+
+    def pytest_sessionfinish(self, session):
+        allowed = session.config.getoption("allowed_skips")
+        if allowed is None or hasattr(session.config, "workerinput"):  # off, or a pytest-xdist worker
+            return
+        self.verdict = skip_policy_verdict(self.passed, self.skips, allowed, session.config.getoption("allow_skip"))
+        if self.verdict and session.exitstatus == 0:
+            session.exitstatus = SKIP_POLICY_EXIT
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.verdict:
+            terminalreporter.write_line(self.verdict, red=True)
+
+
+def pytest_addoption(parser, pluginmanager):
+    group = parser.getgroup("paco_ds skip policy", "the skips a lane allows (tests/conftest.py)")
+    group.addoption("--allowed-skips", type=int, default=None, metavar="N",
+                    help="fail the session when more than N tests are skipped for a reason no --allow-skip "
+                         "names, or when no test passed (default: no policy)")
+    group.addoption("--allow-skip", action="append", default=[], metavar="TEXT",
+                    help="a skip whose reason contains TEXT is allowed (repeatable)")
+    pluginmanager.register(_SkipPolicy(), "paco-skip-policy")

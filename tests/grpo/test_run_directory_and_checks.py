@@ -281,16 +281,43 @@ def test_output_dir_that_cannot_be_written(tmp_path, where):
 
 
 def test_output_dir_without_write_permission(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root writes anywhere")
     d = tmp_path / "ro"
     d.mkdir()
+    if os.geteuid() == 0:  # root writes through any mode bits: the directory is mounted read-only instead
+        _check_in_read_only_bind_mount(tmp_path, d)
+        return
     d.chmod(0o500)
     try:
         with pytest.raises(ConfigError, match="not writable"):
             _check(f"output_dir={d}")
     finally:
         d.chmod(0o700)
+
+
+CHECK_OUTPUT_DIR = """
+import sys
+from paco_ds.errors import ConfigError
+from paco_ds.grpo.plan import check_recipe, load_config
+try:
+    check_recipe(load_config(sys.argv[1], [f"output_dir={sys.argv[2]}"]), 2)
+except ConfigError as err:
+    print(err)
+    sys.exit(3)
+"""
+
+
+def _check_in_read_only_bind_mount(tmp_path: Path, d: Path) -> None:
+    """The same check as root: `d` bind-mounted read-only onto itself in a private mount namespace
+    (`unshare -m`, as the full-disk tests mount their tmpfs), where root cannot create a file either."""
+    (d / "kept").write_text("x")
+    mount = ('mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && '
+             'touch "$1/probe" 2>/dev/null && { echo "still writable"; exit 9; }; shift && exec "$@"')
+    r = subprocess.run(["unshare", "-m", "sh", "-c", mount, "sh", str(d), sys.executable, "-c", CHECK_OUTPUT_DIR,
+                        str(TINY), str(d)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, f"exit {r.returncode}: {r.stdout[-1000:]} {r.stderr[-2000:]}"
+    run_dir = d / "tiny_t2is"  # the recipe's run_name under output_dir
+    assert f"config key 'output_dir': {run_dir} is not writable (Read-only file system in {d})" in r.stdout, r.stdout
+    assert sorted(p.name for p in d.iterdir()) == ["kept"]  # nothing left behind, outside the namespace too
 
 
 @pytest.mark.parametrize("value", [".nan", "1e400", "-.inf", ".inf"])
@@ -326,7 +353,10 @@ def test_cross_check_names_the_keys_and_where_they_were_set():
     msg = str(err.value)
     assert "''" not in msg
     assert "'train.timesteps' (--set train.timesteps=[9])" in msg
-    assert "'sample.num_steps' (configs/tiny/t2is.yaml:" in msg or "'sample.num_steps' (" in msg
+    lines = TINY.read_text().splitlines()
+    section = lines.index("sample:")
+    line = next(i for i in range(section, len(lines)) if lines[i].strip().startswith("num_steps:")) + 1
+    assert f"'sample.num_steps' (configs/tiny/t2is.yaml:{line})" in msg, msg  # where the recipe set it
 
 
 @pytest.mark.parametrize("item", ["train.resolution.x=5", "model.lora.rank.a.b=1"])
