@@ -4,6 +4,9 @@
 # each with its own sshd that takes root's dedicated key only. Root only; `up` is idempotent.
 #   bash tests/cluster/netns.sh up|down|status
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/pidfile.sh
+source "$HERE/../pidfile.sh"  # a pid file's number counts as sshd only while it still is that sshd
 KEY=/root/.ssh/paco_cluster_ed25519
 NODES=(pc-node0 pc-node1)
 ADDRS=(10.77.0.1 10.77.0.2)
@@ -36,7 +39,8 @@ up() {
   fi
   for i in 0 1; do
     pidf="$RUN/sshd-$i.pid"
-    if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then continue; fi
+    if pidfile_pid "$pidf" sshd >/dev/null; then continue; fi
+    rm -f "$pidf" "$pidf.start"  # a daemon that died long ago: its number may be another process's now
     cat > "$RUN/sshd-$i.conf" <<CONF
 ListenAddress ${ADDRS[$i]}
 PidFile $pidf
@@ -48,6 +52,7 @@ UsePAM no
 AcceptEnv none
 CONF
     ip netns exec "${NODES[$i]}" "$(command -v sshd)" -f "$RUN/sshd-$i.conf"
+    pidfile_note "$pidf" sshd || true  # without the note, its pid file's time still tells
   done
   for a in "${ADDRS[@]}"; do
     ip netns exec pc-node0 ssh "$a" true || { echo "ssh to $a failed" >&2; exit 1; }
@@ -57,9 +62,7 @@ CONF
 
 down() {
   for i in 0 1; do
-    pidf="$RUN/sshd-$i.pid"
-    [ -f "$pidf" ] && kill "$(cat "$pidf")" 2>/dev/null || true
-    rm -f "$pidf"
+    stop_pidfile "$RUN/sshd-$i.pid" sshd
   done
   for n in "${NODES[@]}"; do ip netns del "$n" 2>/dev/null || true; done
   echo "test cluster down"

@@ -7,6 +7,8 @@
 #   bash tests/slurm/slurm.sh up|down|status
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/pidfile.sh
+source "$HERE/../pidfile.sh"  # a pid file's number counts as the daemon only while it still is that daemon
 NODES=(pc-node0 pc-node1)
 ADDRS=(10.77.0.1 10.77.0.2)
 RUN=/run/paco-slurm
@@ -79,16 +81,22 @@ CONF
   [ -f /etc/munge/munge.key ] || { dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
                                    chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key; }
   if ! munge -n </dev/null >/dev/null 2>&1; then
+    rm -f /run/munge/munged.pid.start
     runuser -u munge -- /usr/sbin/munged
+    pidfile_note /run/munge/munged.pid munged || true
   fi
   for i in 0 1; do mkdir -p "$RUN/spool-${NODES[$i]}"; done
-  if ! { [ -f "$RUN/slurmctld.pid" ] && kill -0 "$(cat "$RUN/slurmctld.pid")" 2>/dev/null; }; then
+  if ! pidfile_pid "$RUN/slurmctld.pid" slurmctld >/dev/null; then
+    rm -f "$RUN/slurmctld.pid" "$RUN/slurmctld.pid.start"  # its number may be another process's now
     in_ns pc-node0 /usr/sbin/slurmctld -f "$CONF" -i
+    pidfile_note "$RUN/slurmctld.pid" slurmctld || true
   fi
   for i in 0 1; do
     pidf="$RUN/slurmd-${NODES[$i]}.pid"
-    if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then continue; fi
+    if pidfile_pid "$pidf" slurmd >/dev/null; then continue; fi
+    rm -f "$pidf" "$pidf.start"
     in_ns "${NODES[$i]}" /usr/sbin/slurmd -f "$CONF" -N "${NODES[$i]}"
+    pidfile_note "$pidf" slurmd || true
   done
   # Ready when both nodes are idle (a deadline, not a sleep standing in for it).
   for _ in $(seq 120); do
@@ -104,25 +112,15 @@ CONF
   exit 1
 }
 
-stop_pidfile() {  # SIGTERM, then SIGKILL after 10 s
-  local pidf=$1 pid
-  [ -f "$pidf" ] || return 0
-  pid=$(cat "$pidf")
-  if kill "$pid" 2>/dev/null; then
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidf"
-}
-
 down() {
-  if [ -f "$RUN/slurmctld.pid" ] && kill -0 "$(cat "$RUN/slurmctld.pid")" 2>/dev/null; then
+  if pidfile_pid "$RUN/slurmctld.pid" slurmctld >/dev/null; then
     # Whatever still runs: cancelled, so no job's process outlives the cluster.
     in_ns pc-node0 scancel -p test 2>/dev/null || true
   fi
-  for n in "${NODES[@]}"; do stop_pidfile "$RUN/slurmd-$n.pid"; done
-  stop_pidfile "$RUN/slurmctld.pid"
-  if [ -f /run/munge/munged.pid ]; then stop_pidfile /run/munge/munged.pid; fi
+  # stop_pidfile (tests/pidfile.sh): SIGTERM, SIGKILL after 10 s, each only while the pid is still the daemon
+  for n in "${NODES[@]}"; do stop_pidfile "$RUN/slurmd-$n.pid" slurmd; done
+  stop_pidfile "$RUN/slurmctld.pid" slurmctld
+  if [ -f /run/munge/munged.pid ]; then stop_pidfile /run/munge/munged.pid munged; fi
   awk -v mark="$HOSTS_MARK" '$0==mark{skip=2; next} skip>0{skip--; next} {print}' /etc/hosts > "$RUN/hosts" \
     && cat "$RUN/hosts" > /etc/hosts
   if [ -f /root/.ssh/config ]; then
