@@ -13,9 +13,10 @@ GPUs are taken out of its host's trainer slots unless `colocate` is set. Every r
 judges' URLs in PACO_REWARD_ENDPOINTS (through DeepSpeed's environment file) and uses the judge on
 its own host first, then the first other one that answers (paco_ds/serving/routing.py).
 
-Judges run in the foreground of their ssh session (`exec` keeps the pid the shell printed), with
-`--exit-with-parent`: if the launcher dies without cleaning up, the ssh session closes and the
-judge follows. The launcher also stops each one explicitly, by pid, over ssh.
+Judges run in the foreground of their ssh session (`exec` keeps the pid and the start time the
+shell printed), with `--exit-with-parent`: if the launcher dies without cleaning up, the ssh session
+closes and the judge follows. The launcher also stops each one explicitly, by pid over ssh, once the
+pid's start time shows it is still that judge (paco_ds/processes.py checks every signal the same way).
 
 A SIGTERM or SIGUSR1 to the launcher (a scheduler's stop, or its warning before a time limit) asks
 every rank on every host to stop through a file in the shared run directory (PACO_STOP_FILE,
@@ -215,9 +216,17 @@ def judge_command(judge: Judge, servers, bind: str, python: str = sys.executable
     env.update({k: os.environ[k] for k in (*FORWARDED, servers.api_key_env) if k in os.environ})
     env["PYTHONPATH"] = str(REPO_ROOT)
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    # `exec` keeps the pid the shell printed. The token reaches the judge in its environment, not its
-    # argv; like DeepSpeed's own pdsh launch of the ranks, the ssh command line on this host carries it.
-    return f"cd {shlex.quote(str(REPO_ROOT))} && echo PACO_JUDGE_PID $$ && exec env {exports} {shlex.join(argv)}"
+    # `exec` keeps the pid and the start time the shell printed. The token reaches the judge in its
+    # environment, not its argv; like DeepSpeed's own pdsh launch of the ranks, the ssh command line on
+    # this host carries it.
+    return (f"cd {shlex.quote(str(REPO_ROOT))} && echo PACO_JUDGE_PID $$ {_shell_start_ticks('$$')} && "
+            f"exec env {exports} {shlex.join(argv)}")
+
+
+def _shell_start_ticks(pid: str) -> str:
+    """A POSIX shell word printing the start of process `pid` in ticks since boot (field 22 of
+    /proc/<pid>/stat, counted after the command name, which may hold spaces): its identity there."""
+    return f'$(s=$(cat /proc/{pid}/stat 2>/dev/null); s=${{s##*") "}}; set -- $s; echo "${{20}}")'
 
 
 def endpoints_value(model: str, judges: list[Judge], bind: dict[str, str]) -> str:
@@ -258,17 +267,21 @@ class RunningJudge:
     judge: Judge
     url: str
     log: Path
-    proc: subprocess.Popen | None = None
-    pid: int | None = None  # on its host
+    proc: subprocess.Popen | None = None  # its transport (pdsh or ssh), which leads a process group
+    group: processes.Group | None = None  # that group, known by its leader's pid and start time
+    pid: tuple[int, str | None] | None = None  # on its host: pid and start ticks
     restarts: int = 0
     history: list[str] = field(default_factory=list)
 
 
-def _remote_pid(log: Path) -> int | None:
+def _remote_pid(log: Path) -> tuple[int, str | None] | None:
+    """The judge's pid on its host and its start ticks there (None in a log of an earlier version,
+    which printed none: such a pid cannot be checked and is never signalled)."""
     with contextlib.suppress(OSError):
-        found = re.findall(r"PACO_JUDGE_PID (\d+)", log.read_text(errors="replace"))
+        found = re.findall(r"PACO_JUDGE_PID (\d+)(?:[ \t]+(\d+))?", log.read_text(errors="replace"))
         if found:  # the log gathers a judge's restarts and resumed runs: the latest start is last
-            return int(found[-1])
+            pid, ticks = found[-1]
+            return int(pid), ticks or None
     return None
 
 
@@ -280,38 +293,45 @@ def _port_taken(url: str) -> bool:
     return False
 
 
-def _stop_group(leader: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+def _stop_group(group: processes.Group, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group a local helper leads (pdsh exits before its ssh child may), then
     SIGKILL what is left after `timeout`. Its direct children are signalled too, in case pdsh gave
-    its ssh a group of its own. `proc`: the helper, when this process started it (to reap it)."""
-    for pid in processes.children(leader):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
+    its ssh a group of its own. `proc`: the helper, when this process started it (to reap it).
+    Every signal checks its target's identity first (paco_ds/processes.py): a helper whose pid now
+    belongs to another process is gone, and nothing of that newcomer's is signalled."""
+    for pid, started in processes.children_of(group.leader, group.started).items():
+        processes.signal_if_same(pid, started, signal.SIGTERM)
 
-    def running(group: int) -> bool:
+    def running(g: processes.Group) -> bool:
         if proc is not None:
             proc.poll()
-        return processes.group_alive(group)
+        return g.alive()
 
-    processes.stop_groups([leader], signal.SIGTERM, timeout, running=running)
+    processes.stop_groups([group], signal.SIGTERM, timeout, running=running)
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
 
 
-def _stop_trainers(leader: int, proc: subprocess.Popen | None = None) -> None:
+def _stop_trainers(group: processes.Group, proc: subprocess.Popen | None = None) -> None:
     """SIGINT to the deepspeed launcher's group (it forwards it and kills pdsh), SIGKILL after 20 s."""
-    def running(group: int) -> bool:
-        return (proc is None or proc.poll() is None) and processes.group_alive(group)
+    def running(g: processes.Group) -> bool:
+        return (proc is None or proc.poll() is None) and g.alive()
 
-    if processes.stop_groups([leader], signal.SIGINT, 20.0, running=running) and proc is not None:
+    if processes.stop_groups([group], signal.SIGINT, 20.0, running=running) and proc is not None:
         proc.wait()
 
 
-def _stop_remote_judge(host: str, pid: int, ssh_port: int | None) -> str | None:
-    """SIGTERM a judge by pid over ssh, SIGKILL after 10 s; what went wrong, or None."""
-    cmd = (f"kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do kill -0 {pid} 2>/dev/null || exit 0; "
-           f"sleep 0.2; done; kill -KILL {pid} 2>/dev/null; exit 0")
+def _stop_remote_judge(host: str, pid: int, started: str | None, ssh_port: int | None) -> str | None:
+    """SIGTERM a judge by pid over ssh, SIGKILL after 10 s, each only while that pid is still the
+    process that started at `started` (its start ticks there); what went wrong, or None. Without a
+    start time the pid cannot be checked: nothing is sent (the judge follows its ssh session)."""
+    if started is None or not started.isdigit():
+        return None
+    ours = (f'ours() {{ s=$(cat /proc/{pid}/stat 2>/dev/null) || return 1; s=${{s##*") "}}; set -- $s; '
+            f'[ "$1" != Z ] && [ "${{20}}" = {started} ]; }}')
+    cmd = (f"{ours}; ours && kill -TERM {pid} 2>/dev/null; for i in $(seq 50); do ours || exit 0; "
+           f"sleep 0.2; done; ours && kill -KILL {pid} 2>/dev/null; exit 0")
     r = subprocess.run(remote_argv(host, cmd, ssh_port), capture_output=True, text=True, timeout=60,
                        stdin=subprocess.DEVNULL)
     if r.returncode != 0:
@@ -330,6 +350,7 @@ class Cluster:
         self.judges = [RunningJudge(j, f"http://{self.bind[j.host]}:{j.port}", self.dir / f"{j.host}-{j.port}.log")
                        for j in placement.judges]
         self.trainer: subprocess.Popen | None = None
+        self.trainer_group: processes.Group | None = None  # the deepspeed runner's process group
         self.trainer_failure: str | None = None
         self.token = os.environ.get(servers.api_key_env) if servers is not None else None
         self.run_dir = run_dir
@@ -344,6 +365,9 @@ class Cluster:
         with rj.log.open("a") as fh:
             rj.proc = subprocess.Popen(remote_argv(rj.judge.host, cmd, self.cfg.ssh_port), stdout=fh,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        if rj.group is not None:  # the transport of an earlier start, which has ended
+            rj.group.close()
+        rj.group = processes.Group(rj.proc.pid, processes.start_time(rj.proc.pid))
         rj.pid = None
         self.record()
 
@@ -446,6 +470,7 @@ class Cluster:
         self.log(f"[cluster] {shlex.join(argv)}")
         self.trainer = subprocess.Popen(argv, env=launch_env, start_new_session=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
+        self.trainer_group = processes.Group(self.trainer.pid, processes.start_time(self.trainer.pid))
         self.record()
         failed: list[tuple[str, int, float]] = []
 
@@ -461,7 +486,7 @@ class Cluster:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        while self.trainer.poll() is None:
+        while not processes.exited(self.trainer.pid):
             self.check_judges()
             self._stop_overdue()
             if failed and time.monotonic() - failed[0][2] > grace and self.stop_reason is None:
@@ -469,6 +494,9 @@ class Cluster:
                 raise ClusterError(f"host '{host}': trainer rank(s) exited with code {code}; the other hosts "
                                    f"did not stop within {grace:g}s, stopping them")
             time.sleep(poll)
+        # Ended but not yet reaped, it still holds its pid: what is left of its group is its own
+        self.trainer_group.record_members()
+        self.trainer.poll()
         if self.stop_reason is not None:
             self.log(f"[cluster] the trainers' launcher ended (code {self.trainer.returncode}); waiting for "
                      "rank 0 to let go of the run directory")
@@ -484,7 +512,7 @@ class Cluster:
         pid over ssh, then their ssh sessions. Returns what could not be confirmed stopped."""
         problems = []
         if self.trainer is not None and self.trainer.poll() is None:
-            _stop_trainers(self.trainer.pid, self.trainer)
+            _stop_trainers(self.trainer_group, self.trainer)
         stats = {}
         for rj in self.judges:  # what each judge served, for the record (cluster/judges.json)
             with contextlib.suppress(httpx.HTTPError, ValueError):
@@ -497,12 +525,14 @@ class Cluster:
             (self.dir / "judges.json").write_text(json.dumps(stats, indent=2))
         for rj in self.judges:
             rj.pid = rj.pid or _remote_pid(rj.log)
-            if rj.pid is not None and (problem := _stop_remote_judge(rj.judge.host, rj.pid, self.cfg.ssh_port)):
+            if rj.pid is not None and (problem := _stop_remote_judge(rj.judge.host, *rj.pid, self.cfg.ssh_port)):
                 problems.append(problem)
-            if rj.proc is not None:  # its transport (pdsh and its ssh child share a process group)
-                _stop_group(rj.proc.pid, proc=rj.proc)
-        if self.trainer is not None:
-            _stop_group(self.trainer.pid, proc=self.trainer)
+            if rj.group is not None:  # its transport (pdsh and its ssh child share a process group)
+                _stop_group(rj.group, proc=rj.proc)
+                rj.group.close()
+        if self.trainer_group is not None:
+            _stop_group(self.trainer_group, proc=self.trainer)
+            self.trainer_group.close()
         self.processes_file.unlink(missing_ok=True)  # all stopped: the guard has nothing left to do
         self.stop_file.unlink(missing_ok=True)
         return problems
@@ -516,9 +546,12 @@ class Cluster:
         """What `close()` would stop, for the guard (`reap`): written whenever it changes."""
         import json
 
-        state = {"ssh_port": self.cfg.ssh_port, "trainers": self.trainer.pid if self.trainer else None,
-                 "judges": [{"host": rj.judge.host, "log": str(rj.log), "transport": rj.proc.pid}
-                            for rj in self.judges if rj.proc is not None]}
+        trainers = self.trainer_group
+        state = {"ssh_port": self.cfg.ssh_port, "trainers": trainers.leader if trainers else None,
+                 "trainers_started": trainers.started if trainers else None,
+                 "judges": [{"host": rj.judge.host, "log": str(rj.log), "transport": rj.group.leader,
+                             "transport_started": rj.group.started}
+                            for rj in self.judges if rj.group is not None]}
         tmp = self.processes_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.processes_file)
@@ -534,28 +567,54 @@ class Cluster:
                                 start_new_session=True)  # a SIGKILL to the launcher's group spares it
 
 
+def _recorded_groups(state: dict) -> list[tuple[int, object]]:
+    """(leader, start time) of each process group a processes file records."""
+    out = [(state["trainers"], state.get("trainers_started"))] if state.get("trainers") else []
+    return out + [(j["transport"], j.get("transport_started")) for j in state.get("judges", [])]
+
+
 def reap(processes_file: Path, launcher: int, poll: float = 0.5) -> int:
     """The guard's loop: while the launcher lives (it is our parent) and has not cleaned up, wait;
-    if it dies first, stop the trainers, then each judge by pid over ssh, then their transports."""
+    if it dies first, stop the trainers, then each judge by pid over ssh, then their transports.
+    Each is known by pid and start time; a pid whose process has changed since, or one recorded
+    without a start time (a file of an earlier version), is not signalled."""
     import json
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a signal to the launcher's group is the
         signal.signal(sig, signal.SIG_IGN)                      # launcher's to handle; we follow its death
+    held: dict[tuple, processes.Group] = {}  # each recorded group, its leader's pidfd held from the start
+
+    def group(leader: int, started) -> processes.Group:
+        key = (leader, started)
+        if key not in held:
+            held[key] = processes.Group(leader, started)
+        return held[key]
+
+    def read() -> dict | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(processes_file.read_text())
+        return None
+
     while os.getppid() == launcher and processes_file.exists():
+        if (state := read()) is not None:  # so a leader that ends before the launcher stays known
+            for leader, started in _recorded_groups(state):
+                group(leader, started)
         time.sleep(poll)
-    if not processes_file.exists():
+    if not processes_file.exists() or (state := read()) is None:
         return 0
-    state = json.loads(processes_file.read_text())
     print(f"[cluster] launcher (pid {launcher}) died without cleaning up: stopping everything it started",
           file=sys.stderr, flush=True)
-    if state["trainers"]:
-        _stop_trainers(state["trainers"])
+    trainers = group(state["trainers"], state.get("trainers_started")) if state["trainers"] else None
+    if trainers is not None:
+        _stop_trainers(trainers)
     for j in state["judges"]:
-        if (pid := _remote_pid(Path(j["log"]))) is not None and (problem := _stop_remote_judge(j["host"], pid, state["ssh_port"])):
+        if (judge := _remote_pid(Path(j["log"]))) is not None and (problem := _stop_remote_judge(j["host"], *judge, state["ssh_port"])):
             print(f"[cluster] cleanup: {problem}", file=sys.stderr, flush=True)
-        _stop_group(j["transport"])
-    if state["trainers"]:
-        _stop_group(state["trainers"])
+        _stop_group(group(j["transport"], j.get("transport_started")))
+    if trainers is not None:
+        _stop_group(trainers)
+    for g in held.values():
+        g.close()
     processes_file.unlink(missing_ok=True)
     return 0
 

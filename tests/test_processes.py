@@ -24,6 +24,11 @@ def _leader(code: str) -> subprocess.Popen:
     return proc
 
 
+def _identity(proc: subprocess.Popen) -> tuple[int, float]:
+    """A group leader this test started and has not reaped, as stop_groups takes it: pid and start time."""
+    return proc.pid, processes.start_time(proc.pid)
+
+
 def test_a_process_is_known_by_pid_and_start_time_and_a_zombie_has_ended():
     # Wait for the child's own line: between fork and exec its command line is briefly empty.
     code = "print('ready', flush=True); import time; time.sleep(60)"
@@ -48,8 +53,8 @@ def test_a_group_stop_kills_what_ignores_the_signal_after_the_timeout():
     child, = processes.children(proc.pid)
     assert processes.group_alive(proc.pid)
     t0 = time.monotonic()
-    killed = processes.stop_groups([proc.pid], signal.SIGTERM, timeout=0.5,
-                                   running=lambda g: proc.poll() is None or processes.group_alive(g))
+    killed = processes.stop_groups([_identity(proc)], signal.SIGTERM, timeout=0.5,
+                                   running=lambda g: proc.poll() is None or g.alive())
     assert killed == [proc.pid] and 0.5 <= time.monotonic() - t0 < 5
     proc.wait(5)
     deadline = time.monotonic() + 5
@@ -60,7 +65,7 @@ def test_a_group_stop_kills_what_ignores_the_signal_after_the_timeout():
 
 def test_a_group_that_obeys_is_not_killed():
     proc = _leader("import subprocess, sys, time; print('ready', flush=True); time.sleep(60)")
-    assert processes.stop_groups([proc.pid], timeout=5, running=lambda g: proc.poll() is None) == []
+    assert processes.stop_groups([_identity(proc)], timeout=5, running=lambda g: proc.poll() is None) == []
     assert proc.wait(1) == -signal.SIGTERM
 
 
@@ -102,5 +107,5 @@ def test_descendants_by_program_name_are_waited_for_then_killed():
             assert time.monotonic() < deadline
             time.sleep(0.05)
     finally:
-        processes.stop_groups([parent.pid], timeout=1.0)
+        processes.stop_groups([_identity(parent)], timeout=1.0)
         parent.wait()

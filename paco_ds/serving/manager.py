@@ -4,8 +4,10 @@
 models share one port); `start` launches them, waits until each answers with its models (a
 server that dies or stays silent past the timeout is reported with the tail of its log), and
 records name, role, port, pid and the process start time, so that `stop` never signals a
-recycled pid. A training run uses `started_for_run`: each node's local rank 0 starts the
-recipe's servers, every rank waits for them, and they stop when the run ends, however it ends.
+recycled pid (a record without a start time, from an earlier version, is taken for another
+process's: never signalled, never counted as running). A training run uses `started_for_run`:
+each node's local rank 0 starts the recipe's servers, every rank waits for them, and they stop
+when the run ends, however it ends.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Callable, Iterator
 import httpx
 
 from paco_ds.errors import ConfigError, UserError
-from paco_ds.processes import alive, start_time, stop_groups
+from paco_ds.processes import Group, alive, start_time, stop_groups
 from paco_ds.serving.config import ServersConfig
 from paco_ds.serving.vllm import PYTHON_ENV, on_cpu, split_gpus, vllm_command, vllm_python
 
@@ -251,7 +253,7 @@ def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = Fa
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     if (state_dir / STATE_FILE).is_file():
-        live = [s for s in read_state(state_dir)["servers"] if alive(s["pid"], s.get("start_time"))]
+        live = [s for s in read_state(state_dir)["servers"] if _running(s)]
         if live:
             raise ServerError(f"reward servers recorded in {state_dir} are still running (pids "
                               f"{', '.join(str(s['pid']) for s in live)}); stop them first: "
@@ -301,19 +303,32 @@ def stop(state_dir: str | Path, timeout: float = 10.0) -> list[str]:
     if not (state_dir / STATE_FILE).is_file():
         return []
     servers = read_state(state_dir)["servers"]
-    running = [s for s in reversed(servers) if alive(s["pid"], s.get("start_time"))]
-    started = {s["pid"]: s.get("start_time") for s in running}
-    # each server leads its own process group: vLLM's workers are stopped with it
-    stop_groups(started, signal.SIGTERM, timeout, running=lambda pid: alive(pid, started[pid]))
+    running = [s for s in reversed(servers) if _running(s)]
+    # each server leads its own process group: vLLM's workers are stopped with it. Each signal checks
+    # the leader's pid and start time first: a pid reused since is another process's, left alone.
+    groups = [Group(s["pid"], s["start_time"]) for s in running]
+    try:
+        stop_groups(groups, signal.SIGTERM, timeout, running=lambda g: alive(g.leader, g.started))
+    finally:
+        for g in groups:
+            g.close()
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     return [s["name"] for s in running]
+
+
+def _running(server: dict) -> bool:
+    """Whether a recorded server still runs: its pid, still the process that started at its
+    recorded start time. Without one (an earlier version's record) it cannot be told from a
+    newcomer with the same pid, and counts as gone."""
+    started = server.get("start_time")
+    return started is not None and alive(server["pid"], started)
 
 
 def status(state_dir: str | Path) -> list[dict]:
     """Each recorded server with whether its process is alive and what /health answers."""
     out = []
     for s in read_state(state_dir)["servers"]:
-        running = alive(s["pid"], s.get("start_time"))
+        running = _running(s)
         health = "-"
         if running:
             try:

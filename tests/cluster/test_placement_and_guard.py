@@ -149,12 +149,13 @@ def test_a_run_without_a_token_makes_its_own_and_the_plan_hides_it(tmp_path):
 GUARDED_LAUNCHER = """
 import json, os, subprocess, sys, time
 from pathlib import Path
+from paco_ds.processes import start_time
 state = Path(sys.argv[1])
 trainers = subprocess.Popen(["sleep", "600"], start_new_session=True)
 transport = subprocess.Popen(["sleep", "600"], start_new_session=True)
-state.write_text(json.dumps({"ssh_port": None, "trainers": trainers.pid,
+state.write_text(json.dumps({"ssh_port": None, "trainers": trainers.pid, "trainers_started": start_time(trainers.pid),
                              "judges": [{"host": "node-0", "log": str(state.parent / "no-pid-yet.log"),
-                                         "transport": transport.pid}]}))
+                                         "transport": transport.pid, "transport_started": start_time(transport.pid)}]}))
 guard = subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), str(os.getpid())],
                          start_new_session=True)
 print(trainers.pid, transport.pid, guard.pid, flush=True)

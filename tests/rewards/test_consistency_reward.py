@@ -5,7 +5,6 @@ import base64
 import io
 import json
 import math
-import os
 import re
 import signal
 import time
@@ -17,6 +16,7 @@ import torch
 from PIL import Image
 
 from conftest import REPO, shared_file
+from paco_ds import processes
 from paco_ds.config import RewardSet
 from paco_ds.errors import RewardError
 from paco_ds.images import split_panels, split_prompt
@@ -258,7 +258,8 @@ def test_server_killed_mid_run_raises_or_masks_only_the_affected_samples(tmp_pat
         prompt, meta = ITEMS[0]["prompt"], ITEMS[0]
         for runner in runners.values():
             assert runner.score([old], [prompt], [meta])["consistency_score"].valid.all()
-        os.kill(state["servers"][0]["pid"], signal.SIGKILL)
+        judge = state["servers"][0]
+        assert processes.signal_if_same(judge["pid"], judge["start_time"], signal.SIGKILL)
 
         res = runners["mask"].score([old, new], [prompt] * 2, [meta] * 2)["consistency_score"]
         assert res.valid.tolist() == [True, False] and runners["mask"].failures == 1  # the cached one survives

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, TINY
 from distributed_runs import DEEPSPEED, finish
 
+from paco_ds import processes
 from paco_ds.serving import manager
 from paco_ds.serving.manager import free_port
 
@@ -46,7 +47,8 @@ def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
         time.sleep(0.2)
     (state_file,) = (run_dir / "reward_servers").glob("*/servers.json")
     state = json.loads(state_file.read_text())
-    os.kill(state["servers"][0]["pid"], signal.SIGKILL)
+    judge = state["servers"][0]
+    assert processes.signal_if_same(judge["pid"], judge["start_time"], signal.SIGKILL)  # the judge, not a newcomer
     return state["endpoints"]["paco-reward-tiny"]
 
 

@@ -62,14 +62,14 @@ def judge_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(judge_dir, tmp_path_factory):
-    """{"url": OpenAI base URL, "state_dir": ..., "pid": ...} of the shared vLLM server."""
+    """{"url": OpenAI base URL, "state_dir": ..., "pid": ..., "start_time": ...} of the shared vLLM server."""
     from paco_ds.serving import manager
 
     state_dir = tmp_path_factory.mktemp("vllm_judge")
     try:
         state = manager.start(servers_config("vllm", judge_dir), state_dir)
         yield {"url": state["endpoints"][JUDGE], "state_dir": state_dir, "pid": state["servers"][0]["pid"],
-               "log": state["servers"][0]["log"]}
+               "start_time": state["servers"][0]["start_time"], "log": state["servers"][0]["log"]}
     finally:
         manager.stop(state_dir)
 

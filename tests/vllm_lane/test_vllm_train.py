@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO
 from distributed_runs import DEEPSPEED, finish, metrics
 
+from paco_ds import processes
 from paco_ds.serving.manager import free_port
 
 from .conftest import JUDGE, VLLM_PYTHON, VOCAB
@@ -69,7 +70,8 @@ def test_vllm_judge_killed_mid_run_stops_the_run_naming_the_endpoint(tmp_path, v
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         assert time.monotonic() < deadline, "no epoch within the time limit"
         time.sleep(0.2)
-    os.killpg(vllm_server["pid"], signal.SIGKILL)  # the API server and its engine process
+    # the API server and its engine process (its group), while the pid is still that server's
+    assert processes.signal_group_if_same(vllm_server["pid"], vllm_server["start_time"], signal.SIGKILL)
     code = finish(proc, timeout=180)
     out = (tmp_path / "run.log").read_text()
     assert code != 0
