@@ -1,6 +1,8 @@
 """Per-prompt GRPO advantages over an epoch's gathered rewards, and the stat tracker.
 
-Steps: drop masked samples (a failed reward is never a 0) -> aggregate the rewards (see
+Steps: drop masked samples (a failed reward is never a 0) -> aggregate the rewards that apply to
+each sample (a reward that does not apply by construction, as a pairwise judge to a one-panel image,
+is left out of that sample's aggregate rather than scored 0; see
 rewards/aggregate.py) -> rank transform for rank-GRPO -> normalise within each prompt group
 (global or per-group std, floored) -> clip. Groups are identified by the prompt's dataset index,
 not by a decoded string (the reference decodes T5 ids back to text, PaCo-RL/PaCo-GRPO/scripts/train_flux.py).
@@ -32,21 +34,25 @@ class EpochRewards:
     rank), and where this rank's own samples sit in that order."""
 
     groups: np.ndarray  # [N] prompt group of each sample
-    valid: np.ndarray  # [N] bool: every reward scored the sample
-    scores: dict[str, np.ndarray]  # reward name -> [N]
+    valid: np.ndarray  # [N] bool: every reward that applies to the sample scored it
+    scores: dict[str, np.ndarray]  # reward name -> [N]; NaN where failed or not applicable
     parts: dict[str, np.ndarray]  # a reward's parts (e.g. consistency and following) -> [N]
     latency_s: list[list[float]]  # each rank's judge request latencies
     mine: np.ndarray  # [n] this rank's samples' indices in the order above, in its own order
+    applicable: dict[str, np.ndarray] = field(default_factory=dict)  # reward name -> [N] bool
 
     @classmethod
     def gather(cls, positions: np.ndarray, groups: np.ndarray, valid: np.ndarray, scores: dict[str, np.ndarray],
-               parts: dict[str, np.ndarray], latency_s: list[float]) -> "EpochRewards":
+               parts: dict[str, np.ndarray], latency_s: list[float],
+               applicable: dict[str, np.ndarray] | None = None) -> "EpochRewards":
         """Collective: each rank's samples (their epoch positions, groups and rewards), sorted by
-        position, so that a group's statistics do not depend on which rank sampled what."""
+        position, so that a group's statistics do not depend on which rank sampled what.
+        `applicable`: per reward, which samples it applies to (None: all)."""
         from paco_ds.distributed import all_gather_object
 
+        applicable = applicable if applicable is not None else {n: np.ones(len(positions), bool) for n in scores}
         everyone = all_gather_object({"positions": positions, "groups": groups, "valid": valid, "scores": scores,
-                                      "parts": parts, "latency_s": latency_s})
+                                      "parts": parts, "latency_s": latency_s, "applicable": applicable})
         pos = np.concatenate([e["positions"] for e in everyone])
         order = np.argsort(pos)
 
@@ -60,7 +66,8 @@ class EpochRewards:
                    parts={name: joined(lambda e, n=name: e["parts"].get(n, np.full(len(e["positions"]), np.nan)))
                           for name in dict.fromkeys(n for e in everyone for n in e["parts"])},
                    latency_s=[e["latency_s"] for e in everyone],
-                   mine=np.searchsorted(pos[order], positions))
+                   mine=np.searchsorted(pos[order], positions),
+                   applicable={name: joined(lambda e, n=name: e["applicable"][n]) for name in scores})
 
     def split(self, values: np.ndarray, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's share of a per-sample array over the epoch, one tensor per rollout batch."""
@@ -80,6 +87,9 @@ class EpochRewards:
             ok = self.valid & np.isfinite(s)
             metrics[f"reward/{name}/mean"] = float(s[ok].mean()) if ok.any() else float("nan")
             metrics[f"reward/{name}/std"] = float(s[ok].std()) if ok.any() else float("nan")
+            applies = self.applicable.get(name)
+            if applies is not None and not applies.all():  # e.g. one-panel images for a pairwise judge
+                metrics[f"reward/{name}/not_applicable"] = float((~applies).sum())
         finite = np.isfinite(adv.combined)
         metrics["reward/combined/mean"] = float(adv.combined[finite].mean()) if finite.any() else float("nan")
         metrics["reward/masked"] = float((~self.valid).sum())
@@ -130,15 +140,22 @@ class StatTracker:
         self.seen_groups: set[int] = set()
 
     def compute(self, rewards: dict[str, np.ndarray], group_ids, valid: np.ndarray | None = None,
-                device="cpu") -> AdvantageResult:
+                device="cpu", applicable: dict[str, np.ndarray] | None = None) -> AdvantageResult:
         """Advantages of one epoch's gathered rewards (host arrays in, host arrays out); `device`:
-        where the advantages are computed (the trainer's device)."""
+        where the advantages are computed (the trainer's device). `applicable`: per reward, the
+        samples it applies to (None: all); elsewhere it is NaN and left out of the aggregate, and a
+        sample no reward applies to is not trained."""
         ids = torch.as_tensor(np.asarray(group_ids))
         n = len(ids)
         r = {k: torch.as_tensor(np.asarray(v), dtype=torch.float64) for k, v in rewards.items()}
         ok = torch.ones(n, dtype=torch.bool) if valid is None else torch.as_tensor(np.asarray(valid), dtype=torch.bool)
-        for v in r.values():
-            ok = ok & torch.isfinite(v)
+        applies = {k: torch.ones(n, dtype=torch.bool) if applicable is None or k not in applicable
+                   else torch.as_tensor(np.asarray(applicable[k]), dtype=torch.bool) for k in r}
+        for k, v in r.items():
+            ok = ok & (torch.isfinite(v) | ~applies[k])
+            r[k] = torch.where(applies[k], v, torch.tensor(float("nan"), dtype=torch.float64))
+        if r:
+            ok = ok & torch.stack(list(applies.values())).any(0)  # at least one reward judges it
         adv = torch.zeros(n, dtype=torch.float64)
         combined = torch.full((n,), float("nan"), dtype=torch.float64)
         keep = ok.clone()

@@ -220,11 +220,14 @@ class GRPOTrainer:
         rewards = EpochRewards.gather(
             positions=np.array([p for t in trajs for p in t.positions], dtype=np.int64),
             groups=np.array([g for t in trajs for g in t.group_ids], dtype=np.int64),
-            valid=np.logical_and.reduce([r.valid for r in results.values()]),
+            # a reward that does not apply to a sample (one panel, a pairwise judge) does not mask it
+            valid=np.logical_and.reduce([r.valid | ~r.applicable for r in results.values()]),
             scores={name: r.scores for name, r in results.items()},
             parts=part_scores(results),  # e.g. consistency_for_editing's consistency and following
-            latency_s=self.train_rewards.take_latencies())  # this epoch's judge requests, evaluation's included
-        adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device)
+            latency_s=self.train_rewards.take_latencies(),  # this epoch's judge requests, evaluation's included
+            applicable={name: r.applicable for name, r in results.items()})
+        adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device,
+                                   applicable=rewards.applicable)
         sizes = [len(t) for t in trajs]
         per_step = None
         if self.cfg.sample.tree is not None:  # one advantage per trained step: the node each split created

@@ -3,6 +3,11 @@
 A reward maps (images, prompts, metadata[, reference images]) to one float per sample plus a
 validity mask. A reward that cannot score a sample raises (policy `raise`) or marks it invalid
 (policy `mask`); it never returns a silent 0. Weights live in the config, not in the reward.
+
+A third state is neither a score nor a failure: a sample the reward does not apply to by
+construction (`Reward.applies`: a one-panel image has no pair of panels for a pairwise judge). Such
+a sample is `applicable=False`: no question is asked, it is not counted as a failure, and the
+advantage step trains it on the rewards that do apply (paco_ds/rewards/aggregate.py).
 """
 from __future__ import annotations
 
@@ -40,15 +45,33 @@ class RewardResult:
     # Named components the score is made of (float64 [B] each, e.g. consistency_for_editing's
     # 'consistency' and 'following'), for logging as reward/<name>/<part>; never used as rewards.
     parts: dict[str, np.ndarray] = field(default_factory=dict)
+    # bool [B]: False where the reward does not apply by construction (Reward.applies); such a sample
+    # is NaN and not valid, and it is neither a failure nor a score. None: it applies to every sample.
+    applicable: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.applicable is None:
+            self.applicable = np.ones(len(self.scores), dtype=bool)
+        if (self.valid & ~self.applicable).any():
+            raise ValueError("a sample the reward does not apply to cannot hold a valid score")
 
     @classmethod
-    def ok(cls, scores: Sequence[float], parts: dict[str, Sequence[float]] | None = None) -> "RewardResult":
+    def ok(cls, scores: Sequence[float], parts: dict[str, Sequence[float]] | None = None,
+           applicable: Sequence[bool] | None = None) -> "RewardResult":
         s = np.asarray(scores, dtype=np.float64)
-        return cls(s, np.isfinite(s), {k: np.asarray(v, dtype=np.float64) for k, v in (parts or {}).items()})
+        applies = np.ones(len(s), dtype=bool) if applicable is None else np.asarray(applicable, dtype=bool)
+        s = np.where(applies, s, np.nan)
+        return cls(s, np.isfinite(s), {k: np.asarray(v, dtype=np.float64) for k, v in (parts or {}).items()},
+                   applies)
 
     @classmethod
-    def failed(cls, n: int) -> "RewardResult":
-        return cls(np.full(n, np.nan), np.zeros(n, dtype=bool))
+    def failed(cls, n: int, applicable: np.ndarray | None = None) -> "RewardResult":
+        return cls(np.full(n, np.nan), np.zeros(n, dtype=bool), applicable=applicable)
+
+    @property
+    def unjudged(self) -> np.ndarray:
+        """bool [B]: applicable and still without a score (a failed request, an answer that is no score)."""
+        return self.applicable & ~self.valid
 
 
 class PartialRewardError(RewardError):
@@ -102,6 +125,13 @@ class Reward:
         return None
 
     @classmethod
+    def applies(cls, prompt: str, metadata: dict) -> str | None:
+        """Why this reward has nothing to judge in a sample of this record by construction (a single
+        panel for a pairwise judge), or None when it applies. Such samples are neither scored nor
+        failed: --dry-run counts them, and the run trains them on the rewards that do apply."""
+        return None
+
+    @classmethod
     def check_record(cls, prompt: str, metadata: dict) -> str | None:
         """Why this reward could never score a record of the data (checked for every record when the
         run starts, and by --dry-run), or None: a data file the reward cannot read is one line at
@@ -119,7 +149,24 @@ class Reward:
         metadata = list(metadata) if metadata is not None else [{} for _ in images]
         if not (len(images) == len(prompts) == len(metadata)):
             raise ValueError(f"{self.name}: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
-        return self.score(images, list(prompts), metadata, ref_images)
+        prompts = list(prompts)
+        applies = np.array([self.applies(p, m) is None for p, m in zip(prompts, metadata)], dtype=bool)
+        if applies.all():
+            return self.score(images, prompts, metadata, ref_images)
+        # Only the samples the reward applies to are scored (no request is sent for the others).
+        idx = np.flatnonzero(applies)
+        n = len(images)
+        if not idx.size:
+            return RewardResult.failed(n, applicable=applies)
+        refs = None if ref_images is None else (
+            [ref_images[i] for i in idx] if isinstance(ref_images, (list, tuple)) else ref_images[idx])
+        try:
+            part = self.score([images[i] for i in idx], [prompts[i] for i in idx], [metadata[i] for i in idx], refs)
+        except PartialRewardError as err:
+            failed = np.zeros(n, dtype=bool)
+            failed[idx] = err.failed
+            raise PartialRewardError(str(err), _scatter(err.result, idx, applies), failed) from err
+        return _scatter(part, idx, applies)
 
     def take_latencies(self) -> list[float]:
         """A remote reward's request latencies (seconds) since the last call; [] for local ones."""
@@ -128,6 +175,17 @@ class Reward:
 
     def close(self) -> None:
         pass
+
+
+def _scatter(result: RewardResult, idx: np.ndarray, applies: np.ndarray) -> RewardResult:
+    """The result of the samples at `idx` placed among all samples; NaN and not valid elsewhere."""
+    def spread(values: np.ndarray, fill) -> np.ndarray:
+        out = np.full(len(applies), fill, dtype=values.dtype)
+        out[idx] = values
+        return out
+
+    return RewardResult(spread(result.scores, np.nan), spread(result.valid, False),
+                        {k: spread(v, np.nan) for k, v in result.parts.items()}, applies & spread(result.applicable, False))
 
 
 def reference_sets(ref_images, n: int, name: str) -> list[tuple[Image.Image, ...]]:

@@ -20,6 +20,10 @@ with `canonicalize` every token that strips and lowercases to yes/no). A sample 
 failed after the client's retries is invalid and the call raises a PartialRewardError naming the
 endpoint, so the run's `on_failure` policy decides (raise, or mask those samples); a judge that
 answers neither Yes nor No leaves the sample invalid (NaN). Nothing becomes a silent 0.
+
+An image of one panel has no pair to ask about: `consistency_score` does not apply to it
+(`applies`), which is neither a score nor a failure; the reference scores it 0.0
+(docs/differences.md).
 """
 from __future__ import annotations
 
@@ -152,7 +156,7 @@ class RemoteJudge(Reward):
         failed = np.array([e is not None for e in errors])
         unanswered = int((~result.valid & ~failed).sum())
         if unanswered:
-            log.warning("%s: %d of %d samples invalid (no panels to compare, or the judge answered neither "
+            log.warning("%s: %d of %d samples invalid (no criteria to ask about, or the judge answered neither "
                         "Yes nor No within its top %d tokens)", self.name, unanswered, len(scores), self.top_logprobs)
         return PartialRewardError.check(self.name, result, errors)
 
@@ -191,13 +195,17 @@ class ConsistencyScore(RemoteJudge):
                              for t in texts])
         return dims
 
+    @classmethod
+    def applies(cls, prompt: str, metadata: dict) -> str | None:
+        rows, cols = grid_shape(prompt, metadata)
+        if rows * cols < 2:
+            return f"a single panel (layout {rows}x{cols}) has no pair of panels to compare"
+        return None
+
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
         questions, structures = {}, []
         for im, prompt, meta in zip(images, prompts, metadata):
-            panels = split_panels(im, *grid_shape(prompt, meta))
-            if len(panels) < 2:
-                structures.append([])
-                continue
+            panels = split_panels(im, *grid_shape(prompt, meta))  # two or more: see applies()
             digests = [image_digest(p) for p in panels]
             by_digest = dict(zip(digests, panels))
             structure = self._structure(digests, prompt, meta)

@@ -9,7 +9,8 @@ batch than the sampler would otherwise set the epoch's pace). A local reward (CL
 trainer's device) scores one batch at a time: more would only contend for the same device.
 With `on_failure: mask` a reward that raises marks its samples invalid (counted; only the failed
 ones when it raises a PartialRewardError), with `raise` the error stops the run, and so does a
-batch of which no sample could be scored.
+batch of which no sample the reward applies to could be scored. A batch whose samples the reward
+does not apply to at all (one-panel images for a pairwise judge) is no failure.
 """
 from __future__ import annotations
 
@@ -35,7 +36,13 @@ def _concat(rs: list[RewardResult]) -> RewardResult:
         return RewardResult(np.zeros(0), np.zeros(0, bool))
     names = dict.fromkeys(p for r in rs for p in r.parts)
     parts = {p: np.concatenate([r.parts.get(p, np.full(len(r.scores), np.nan)) for r in rs]) for p in names}
-    return RewardResult(np.concatenate([r.scores for r in rs]), np.concatenate([r.valid for r in rs]), parts)
+    return RewardResult(np.concatenate([r.scores for r in rs]), np.concatenate([r.valid for r in rs]), parts,
+                        np.concatenate([r.applicable for r in rs]))
+
+
+def _applies(reward: Reward, prompts: list[str], metadata: list[dict]) -> np.ndarray:
+    """Which samples `reward` applies to (a failed batch's samples it does not apply to stay so)."""
+    return np.array([reward.applies(p, m) is None for p, m in zip(prompts, metadata)], dtype=bool)
 
 
 def part_scores(results: dict[str, RewardResult]) -> dict[str, np.ndarray]:
@@ -76,19 +83,20 @@ class RewardRunner:
         t0 = time.perf_counter()
         try:
             res = reward(images, prompts, metadata, ref_images)
-            if self.spec.on_failure == "raise" and len(prompts) and not res.valid.any():
+            judged = int(res.applicable.sum())  # samples the reward does not apply to are not failures
+            if self.spec.on_failure == "raise" and judged and not res.valid.any():
                 # every answer invalid (a judge that never answers with a score): training on nothing
                 # would look like training; with `raise` that stops the run, as a failed request does
-                raise RewardError(f"reward '{name}': none of the {len(prompts)} samples of a batch could be scored "
-                                  "(every answer was invalid; on_failure: raise)")
+                raise RewardError(f"reward '{name}': none of the {judged} samples of a batch it applies to could be "
+                                  "scored (every answer was invalid; on_failure: raise)")
         except Exception as err:  # noqa: BLE001 - the policy decides, and the error is reported either way
             if self.spec.on_failure == "raise":
                 if isinstance(err, RewardError):
                     raise
                 raise RewardError(f"reward '{name}' failed: {type(err).__name__}: {err}") from err
             partial = isinstance(err, PartialRewardError)
-            res = err.result if partial else RewardResult.failed(len(prompts))
-            n_failed = int(err.failed.sum()) if partial else len(prompts)
+            res = err.result if partial else RewardResult.failed(len(prompts), _applies(reward, prompts, metadata))
+            n_failed = int(err.failed.sum()) if partial else int(res.applicable.sum())
             log.warning("reward '%s' failed on %d of %d samples (masked): %s", name, n_failed, len(prompts), err)
             with self._lock:
                 self.failures += n_failed

@@ -80,3 +80,41 @@ def test_unknown_aggregation_name_raises_with_a_hint():
     with pytest.raises(ConfigError, match=r"config key 'x.fn': unknown aggregation 'geometric_means' "
                                           r"\(did you mean 'geometric_mean'\?\)"):
         aggregate(REWARDS, WEIGHTS, "geometric_means", GROUPS, where="x.fn")
+
+
+# Not applicable: a one-panel prompt's group (ids 1) has no consistency term; the 2x2 group (ids 0) has.
+NA_REWARDS = {"consistency_score": np.array([0.9, 0.1, np.nan, np.nan]), "subfig_clipT": np.array([0.3, 0.5, 0.2, 0.6]),
+              "pickscore": np.array([0.85, 0.8, 0.7, 0.9])}
+NA_GROUPS = np.array([0, 0, 1, 1])
+
+
+def test_a_reward_that_does_not_apply_is_left_out_of_each_aggregate():
+    """Worked by hand: the sum adds the terms that apply with their weights (as the reference's 0.0 would
+    for a weighted sum), the means renormalise the weights over the terms that apply, and
+    weighted_advantage_sum normalises consistency over the samples it applies to only."""
+    s = aggregate(NA_REWARDS, WEIGHTS, "weighted_sum", NA_GROUPS).values
+    assert s.tolist() == pytest.approx([0.2 * 0.9 + 0.3 + 0.85, 0.2 * 0.1 + 0.5 + 0.8, 0.2 + 0.7, 0.6 + 0.9])
+    g = aggregate(NA_REWARDS, WEIGHTS, "geometric_mean", NA_GROUPS).values
+    assert g[2] == pytest.approx(math.sqrt(0.2 * 0.7)) and g[3] == pytest.approx(math.sqrt(0.6 * 0.9))
+    assert g[0] == pytest.approx(math.exp((0.2 * math.log(0.9) + math.log(0.3) + math.log(0.85)) / 2.2))
+    h = aggregate(NA_REWARDS, WEIGHTS, "harmonic_mean", NA_GROUPS).values
+    assert h[2] == pytest.approx(2 / (1 / 0.2 + 1 / 0.7))
+    a = aggregate(NA_REWARDS, WEIGHTS, "weighted_advantage_sum", NA_GROUPS, global_std=False).values
+    # per group, std per group: each reward gives +-1 in a two-sample group of distinct values
+    assert a.tolist() == pytest.approx([0.2 + (-1) + 1, -0.2 + 1 - 1, -1 - 1, 1 + 1])
+    for fn in ("weighted_sum", "geometric_mean", "harmonic_mean", "log_tame", "weighted_advantage_sum"):
+        assert np.isfinite(aggregate(NA_REWARDS, WEIGHTS, fn, NA_GROUPS).values.numpy()).all(), fn
+
+
+def test_the_tracker_trains_a_sample_on_the_rewards_that_apply_and_never_one_no_reward_applies_to():
+    tracker = StatTracker(AdvantageConfig(), AggregationConfig(), WEIGHTS)
+    rewards = {k: np.append(v, np.nan) for k, v in NA_REWARDS.items()}
+    applies = {k: np.isfinite(v) for k, v in rewards.items()}
+    res = tracker.compute(rewards, np.append(NA_GROUPS, 2), np.ones(5, bool), applicable=applies)
+    assert res.keep.tolist() == [True, True, True, True, False]  # the last: no reward applies
+    assert res.combined[:4] == pytest.approx(aggregate(NA_REWARDS, WEIGHTS, "weighted_sum", NA_GROUPS).values.numpy())
+    assert res.stats["masked"] == 1.0
+    # the same NaN where the reward applies is a failure: that sample is masked, not trained
+    failed = tracker.compute(rewards, np.append(NA_GROUPS, 2), np.ones(5, bool),
+                             applicable={k: np.ones(5, bool) for k in rewards})
+    assert failed.keep.tolist() == [True, True, False, False, False]

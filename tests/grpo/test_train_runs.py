@@ -100,3 +100,24 @@ def test_a_finished_run_exits_0_every_time(tmp_path):
         codes.append(proc.returncode)
         assert (tmp_path / f"run{i}" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert codes == [0] * 3
+
+
+LAYOUTS = REPO / "paco_ds/data/prompts/tiny_t2is_layouts.jsonl"
+
+
+def test_prompts_of_one_to_nine_panels_train_to_the_end(runs):
+    """The tiny recipe (its judge served by the run, on_failure: raise) on one prompt of each layout from
+    1x1 to 3x3, every prompt in every epoch: the single panel has no pair for consistency_score, which
+    neither scores nor fails it, and the run trains it on the other rewards to its end (exit 0)."""
+    run = runs.get("t2is_layouts", f"data.train_file={LAYOUTS}", f"data.test_file={LAYOUTS}", "sample.group_size=2",
+                   "sample.prompts_per_epoch=9", "train.optimizer_steps_per_epoch=1", "train.num_epochs=2",
+                   "sample.noise_steps=[1]", "test.eval_freq=2", "test.resolution=64", "checkpoint.save_freq=0",
+                   "logging.num_train_images=0").ok()
+    epochs = run.epochs()
+    assert [r["epoch"] for r in epochs] == [0, 1]
+    for r in epochs:
+        assert r["reward/consistency_score/not_applicable"] == 2.0  # the 1x1 prompt's group of 2
+        assert r["reward/masked"] == 0.0 and r["reward/failures"] == 0.0 and r["adv/masked"] == 0.0
+        assert 0.0 <= r["reward/consistency_score/mean"] <= 1.0 and r["train/grad_norm"] > 0
+    evals = [r for r in run.metrics() if "eval/subfig_clipT/mean" in r]  # the nine layouts evaluated too
+    assert evals and all(r["eval/subfig_clipT/mean"] == r["eval/subfig_clipT/mean"] for r in evals)

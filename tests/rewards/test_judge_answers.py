@@ -221,9 +221,42 @@ def test_with_raise_a_batch_that_nothing_could_score_stops_the_run(judge):
     try:
         res = runners["mask"].score(_grids(2), [ITEM["prompt"]] * 2, [ITEM] * 2)["consistency_score"]
         assert not res.valid.any() and runners["mask"].failures == 0  # invalid answers, not failed requests
-        with pytest.raises(RewardError, match=r"reward 'consistency_score': none of the 2 samples of a batch could "
-                                              r"be scored \(every answer was invalid; on_failure: raise\)"):
+        with pytest.raises(RewardError, match=r"reward 'consistency_score': none of the 2 samples of a batch it "
+                                              r"applies to could be scored \(every answer was invalid; on_failure: "
+                                              r"raise\)"):
             runners["raise"].score(_grids(2, seed=3), [ITEM["prompt"]] * 2, [ITEM] * 2)
     finally:
         for r in runners.values():
             r.close()
+
+
+SINGLE = {**ITEM, "layout": "1x1", "prompt": "ONE-PANEL Image with a 1x1 grid layout showing a red kite on a beach."}
+
+
+def test_a_single_panel_is_not_judged_and_is_no_failure(judge):
+    """One panel has no pair to compare: the pairwise judge does not apply (no request is sent), which
+    under `raise` stops nothing, even for a batch of single panels only; in a mixed batch the others
+    are scored as usual."""
+    runner = RewardRunner(RewardSet(terms=_terms(judge), on_failure="raise"))
+    try:
+        res = runner.score(_grids(2), [SINGLE["prompt"]] * 2, [SINGLE] * 2)["consistency_score"]
+        assert judge.requests == 0 and runner.failures == 0
+        assert not res.applicable.any() and not res.valid.any() and np.isnan(res.scores).all()
+        res = runner.score(_grids(2, seed=1), [SINGLE["prompt"], ITEM["prompt"]], [SINGLE, ITEM])["consistency_score"]
+        assert res.applicable.tolist() == [False, True] and res.valid.tolist() == [False, True]
+        assert judge.requests == 6  # the 2x2 grid's six pairs, the single panel none
+        assert res.unjudged.tolist() == [False, False]
+    finally:
+        runner.close()
+
+
+def test_nonsense_answers_still_stop_a_run_beside_single_panels(judge):
+    """on_failure still governs a judge that answers nonsense: a batch whose grids it applies to were all
+    answered with neither Yes nor No stops the run, whatever single panels the batch also holds."""
+    judge.answer = _answer([{"token": "Maybe", "logprob": -0.1}])
+    runner = RewardRunner(RewardSet(terms=_terms(judge), on_failure="raise"))
+    try:
+        with pytest.raises(RewardError, match="none of the 1 samples of a batch it applies to could be scored"):
+            runner.score(_grids(2), [SINGLE["prompt"], ITEM["prompt"]], [SINGLE, ITEM])
+    finally:
+        runner.close()
