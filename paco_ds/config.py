@@ -502,6 +502,11 @@ class Config(Recipe):
                                  f"sample.num_steps={self.sample.num_steps}")
             if self.train.timesteps is not None:
                 raise ValueError("train.timesteps: leave unset with sample.sde_window (the window is trained)")
+        if self.sample.sde_type == "cps" and self.sample.noise_level > 1:
+            # CPS's injected noise is sigma_next * sin(noise_level * pi / 2): a fraction of the step, which
+            # past 1 folds back (5 gives what 1 gives, 1.5 what 0.5 gives)
+            raise ValueError(f"sample.noise_level {self.sample.noise_level:g} with sample.sde_type cps: CPS's noise is "
+                             "the fraction sin(noise_level * pi / 2) of the step, so noise_level must be within [0, 1]")
         if self.sample.tree is not None:
             self._check_tree()
         if self.sample.noise_level > 0 and win is None:

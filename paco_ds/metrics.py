@@ -33,9 +33,15 @@ WANDB_SERVICES = ("wandb-core", "wandb-symon")
 def check_wandb(section: WandbConfig | None, key: str = "logging.wandb") -> None:
     """Before a run starts: a recipe that asks for W&B has the wandb package (else W&B would be
     missing from the run's start to its end, unseen until someone looks for it)."""
-    if section is not None and section.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+    if section is None or section.mode == "disabled":
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"config key '{key}': the wandb package is not installed (pip install wandb), or set "
                           f"{key}.mode=disabled")
+    if section.dir:  # W&B writes <dir>/wandb/ from the first step: an unwritable place is one line now
+        from paco_ds.storage import check_writable
+
+        check_writable(Path(section.dir).resolve(), f"{key}.dir")
 
 
 def exit_code_of(error: BaseException | None) -> int:

@@ -17,11 +17,12 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
 
-from paco_ds.errors import UserError
+from paco_ds.errors import ConfigError, UserError
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # What torch's and DeepSpeed's C++ writers say when a write() fails; the errno is lost on the way.
@@ -128,3 +129,24 @@ def writing(path: Path, run_dir: Path | None = None) -> Iterator[None]:
         raise failure from err
     finally:
         threading.excepthook = previous
+
+
+def check_writable(path: Path, key: str = "output_dir") -> None:
+    """`path` (a directory to be) can be created and written: probe the nearest existing ancestor
+    (or the directory itself) with a temporary file; nothing is left behind."""
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"config key '{key}': cannot create {path}: {probe} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        why = err.strerror or errno.errorcode.get(err.errno or 0, str(err))
+        raise ConfigError(f"config key '{key}': {path} is not writable ({why} in {probe})") from None
+    if probe == path and not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key '{key}': {path} is not writable")

@@ -246,7 +246,7 @@ def test_the_tiny_recipes_still_load_and_plan():
         if path.name == "reward_sft.yaml":
             assert load_sft_config(path).run_name
         else:
-            plan, n_train, _ = check_recipe(load_config(path), 2)
+            plan, n_train, *_ = check_recipe(load_config(path), 2)
             assert n_train > 0 and plan.samples_per_epoch > 0, path.name
             planned.append(path.name)
     assert len(planned) >= 10 and "t2is.yaml" in planned
@@ -412,3 +412,59 @@ def test_yaml_that_cannot_be_a_recipe_is_one_line(tmp_path, text, words):
     recipe.write_text(text)
     line = one_line_error(_dry_run(config=recipe))
     assert f"{recipe}{words}" in line, line
+
+
+# ------------------------------------------------------------------------------------ what --dry-run catches and says
+LAYOUTS = REPO / "paco_ds/data/prompts/tiny_t2is_layouts.jsonl"
+
+
+def test_the_dry_run_counts_the_prompts_a_reward_does_not_apply_to():
+    """One prompt of each layout from 1x1 to 3x3: the single panel is counted for consistency_score, with
+    what its samples train on; the test set's rewards hold no pairwise judge, so nothing is counted there."""
+    proc = _dry_run(f"data.train_file={LAYOUTS}", f"data.test_file={LAYOUTS}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("not judged")]
+    assert len(lines) == 1, proc.stdout
+    assert ("consistency_score: 1 of 9 prompts in data.train_file (a single panel (layout 1x1) has no pair of panels "
+            "to compare); their samples train on jpeg_compressibility, subfig_clipT, pickscore without it") in lines[0]
+
+
+def test_a_record_no_reward_applies_to_is_refused_naming_file_line(tmp_path):
+    path = _jsonl(tmp_path, GOOD, '{"prompt": "a 1x1 grid of a cat", "layout": "1x1"}')
+    line = one_line_error(_dry_run(f"data.train_file={path}", "rewards.train.terms={_replace: true, "
+                                   "consistency_score: {weight: 1.0, model: paco-reward-tiny, top_logprobs: 267}}"))
+    assert line.startswith(f"train: error: {path}:2: no reward of rewards.train.terms applies to this record "
+                           "(consistency_score: a single panel (layout 1x1) has no pair of panels to compare)"), line
+
+
+def test_an_unwritable_wandb_dir_is_one_line_at_the_dry_run():
+    line = one_line_error(_dry_run("logging.wandb.mode=offline", "logging.wandb.dir=/proc/paco_ds_wandb"))
+    assert "config key 'logging.wandb.dir': /proc/paco_ds_wandb is not writable" in line
+
+
+def test_a_prompt_length_past_the_tiny_text_encoder_is_one_line_at_the_dry_run():
+    line = one_line_error(_dry_run("model.max_sequence_length=100000", config=REPO / "configs/tiny/flux2_t2is.yaml"))
+    assert ("config key 'model.max_sequence_length': at most 4096 for the tiny twin of model.family 'flux2' (its "
+            "text encoder's positions), got 100000") in line
+
+
+def test_cps_noise_past_one_is_one_line_naming_both_keys():
+    line = one_line_error(_dry_run("sample.noise_level=5", config=REPO / "configs/tiny/t2is_cps.yaml"))
+    assert "'sample.noise_level' (--set sample.noise_level=5), 'sample.sde_type' (" in line
+    assert "noise_level must be within [0, 1]" in line
+
+
+def test_a_batch_size_that_rounds_past_the_data_names_the_batch_size():
+    line = one_line_error(_dry_run("sample.batch_size=1000"))
+    assert line.startswith("train: error: config key 'sample.batch_size': sample.batch_size=1000 with "
+                           "sample.group_size=8"), line
+    assert "rounded up from 2 to 125" in line and "lower sample.batch_size" in line
+    line = one_line_error(_dry_run("sample.prompts_per_epoch=1000"))  # the key the user set, when it was that
+    assert "sample.prompts_per_epoch=1000" in line and "batch_size" not in line
+
+
+def test_the_dry_run_says_which_loss_trains_and_its_settings():
+    proc = _dry_run(config=REPO / "configs/tiny/t2is_dpo.yaml")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("loss"))
+    assert "dpo (train.dpo.beta=" in line and "train.dpo.timestep_sampling=" in line and "train.kl_beta=" in line

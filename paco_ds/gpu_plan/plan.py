@@ -453,6 +453,15 @@ def verdict(plan: GpuPlan) -> str:
     return f"does not fit on {head}: " + " | ".join(lines) + rollouts
 
 
+def parameters_line(params: dict[str, int]) -> str:
+    """The counts, the transformer's as its base beside its LoRA (params['transformer'] holds both)."""
+    shown = dict(params)
+    if shown.get("lora"):
+        shown["transformer (base)"] = shown.pop("transformer") - shown["lora"]
+        shown = {"transformer (base)": shown.pop("transformer (base)"), **shown}
+    return ", ".join(f"{k} {v:,}" for k, v in shown.items() if v)
+
+
 def describe(plan: GpuPlan) -> str:
     cats = list(dict.fromkeys(k for p in PHASES for k in plan.memory[p]))
     width = max(len(c) for c in cats + ["total"])
@@ -466,7 +475,7 @@ def describe(plan: GpuPlan) -> str:
     out.append("model FLOPs per image: " + ", ".join(f"{p} {plan.flops[p] / 1e12:.1f} T" for p in PHASES))
     d = plan.flops_detail
     out.append("  per call: " + ", ".join(f"{k} {v / 1e12:.2f} T" for k, v in d.items() if v))
-    out.append("parameters: " + ", ".join(f"{k} {v:,}" for k, v in plan.params.items() if v))
+    out.append("parameters: " + parameters_line(plan.params))
     for note in plan.notes:
         out.append(f"note: {note}")
     out.append(f"verdict: {verdict(plan)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from paco_ds.config import Config
 from paco_ds.data import load_prompts
@@ -77,8 +78,7 @@ def derive(cfg: Config, world_size: int, dataset_size: int | None = None) -> Epo
         raise ConfigError(f"world size must be >= 1 (got {world_size})")
     k, m = cfg.sample.group_size, cfg.sample.prompts_per_epoch
     steps = cfg.train.optimizer_steps_per_epoch
-    unit = math.lcm(world_size * cfg.sample.batch_size, world_size * cfg.train.batch_size * steps)
-    step = unit // math.gcd(k, unit)  # m must be a multiple of this
+    step = _prompt_step(world_size, k, cfg.sample.batch_size, cfg.train.batch_size, steps)  # m: a multiple of it
     if m % step:
         if not cfg.sample.round_prompts_per_epoch:
             raise ConfigError(
@@ -88,6 +88,7 @@ def derive(cfg: Config, world_size: int, dataset_size: int | None = None) -> Epo
                 f"of {step}, or set sample.round_prompts_per_epoch: true")
         m = math.ceil(m / step) * step
     if dataset_size is not None and m > dataset_size:
+        _too_few_prompts_for_batches(cfg, world_size, m, dataset_size)
         raise ConfigError(
             f"sample.prompts_per_epoch={m} (rounded for world size {world_size} and group size {k}) exceeds the "
             f"{dataset_size} prompts in data.train_file: lower it or use more prompts")
@@ -104,15 +105,55 @@ def derive(cfg: Config, world_size: int, dataset_size: int | None = None) -> Epo
     )
 
 
-def check_recipe(cfg: Config, world_size: int) -> tuple[EpochPlan, int, int | None]:
+class RecipeCheck(NamedTuple):
+    """What `check_recipe` found: the epoch plan, the prompt counts, and the lines saying which
+    records a reward does not apply to (preflight.unjudged_records)."""
+
+    plan: EpochPlan
+    n_train: int
+    n_test: int | None
+    unjudged: list[str]
+
+
+def _prompt_step(world_size: int, k: int, sample_batch: int, train_batch: int, steps: int) -> int:
+    """What sample.prompts_per_epoch must be a multiple of: k x m samples split into whole rollout batches
+    and whole training micro-batches of every optimizer step, on every rank."""
+    unit = math.lcm(world_size * sample_batch, world_size * train_batch * steps)
+    return unit // math.gcd(k, unit)
+
+
+def _too_few_prompts_for_batches(cfg: Config, world_size: int, m: int, dataset_size: int) -> None:
+    """When the prompts asked for fit the data and only the rounding for the batch sizes does not, the
+    error names the batch keys that force it (the user set those, not prompts_per_epoch)."""
+    asked, k = cfg.sample.prompts_per_epoch, cfg.sample.group_size
+    if asked > dataset_size:
+        return
+    sizes = {"sample.batch_size": cfg.sample.batch_size, "train.batch_size": cfg.train.batch_size,
+             "train.optimizer_steps_per_epoch": cfg.train.optimizer_steps_per_epoch}
+    culprits = []
+    for key in sizes:
+        trial = {**sizes, key: 1}
+        step = _prompt_step(world_size, k, *trial.values())
+        if math.ceil(asked / step) * step <= dataset_size and sizes[key] > 1:
+            culprits.append(key)
+    if culprits:
+        named = ", ".join(f"{key}={sizes[key]}" for key in culprits)
+        raise ConfigError(
+            f"config key '{culprits[0]}': {named} with sample.group_size={k} over world size {world_size} needs "
+            f"sample.prompts_per_epoch rounded up from {asked} to {m} (whole batches on every rank), more than the "
+            f"{dataset_size} prompts in data.train_file: lower {' or '.join(culprits)}")
+
+
+def check_recipe(cfg: Config, world_size: int) -> RecipeCheck:
     train = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
     test = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file") \
         if cfg.data.test_file else None
     plan = derive(cfg, world_size, dataset_size=len(train))
-    from paco_ds.grpo.preflight import preflight
+    from paco_ds.grpo.preflight import preflight, unjudged_records
 
     preflight(cfg, train, test)  # what a run checks before its first step
-    return plan, len(train), (len(test) if test is not None else None)
+    return RecipeCheck(plan, len(train), (len(test) if test is not None else None),
+                       unjudged_records(cfg, train, test))
 
 
 def rollout_line(cfg: Config) -> str:
@@ -149,7 +190,18 @@ def rollout_line(cfg: Config) -> str:
     return out
 
 
-def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None) -> str:
+def loss_line(cfg: Config) -> str:
+    """The loss that trains and its settings (its own section, the KL weight, the optimizer's)."""
+    section = cfg.train.loss_section
+    name = cfg.train.SECTION_OF.get(cfg.train.loss)
+    keys = section.model_dump(mode="json") if section is not None else {}
+    settings = ", ".join(f"train.{name}.{k}={v}" for k, v in keys.items())
+    common = (f"train.kl_beta={cfg.train.kl_beta:g}, train.learning_rate={cfg.train.learning_rate:g}, "
+              f"train.max_grad_norm={cfg.train.max_grad_norm:g}")
+    return f"{cfg.train.loss}" + (f" ({settings})" if settings else "") + f"; {common}"
+
+
+def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unjudged: list[str] = ()) -> str:
     rows = [
         ("recipe", cfg.source),
         ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
@@ -158,12 +210,14 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None) -> 
         ("world size", plan.world_size), ("group size k", plan.group_size),
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),
         ("samples per epoch", plan.samples_per_epoch), ("samples per rank", plan.samples_per_rank),
+        ("loss", loss_line(cfg)),
         ("trained steps", list(plan.train_timesteps)), ("rollout", rollout_line(cfg)),
         ("micro-steps per rank", plan.micro_steps_per_rank),
         ("gradient accumulation", plan.grad_accum_steps), ("optimizer steps per epoch", plan.optimizer_steps_per_epoch),
         ("train / test resolution", f"{cfg.train.resolution} / {cfg.test.resolution} (items' own sizes first)"),
         ("rewards (train)", ", ".join(f"{k}x{v.weight:g}" for k, v in cfg.rewards.train.terms.items())),
         ("rewards (test)", ", ".join(f"{k}x{v.weight:g}" for k, v in cfg.rewards.eval.terms.items())),
+        *(("not judged", line) for line in unjudged),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

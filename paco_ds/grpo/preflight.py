@@ -17,14 +17,12 @@ are read (paco_ds/data, paco_ds/recipe.py, paco_ds/config.py).
 """
 from __future__ import annotations
 
-import errno
-import os
-import tempfile
 from pathlib import Path
 
 from paco_ds.config import Config
 from paco_ds.errors import ConfigError, DataError
 from paco_ds.metrics import check_wandb
+from paco_ds.storage import check_writable
 
 
 def check_sizes(cfg: Config, items: list, key: str) -> None:
@@ -84,6 +82,34 @@ def check_records_for_rewards(cfg: Config, train_items: list, test_items: list |
                     raise DataError(f"{it.where or key}: reward '{name}' cannot score this record: {why}")
 
 
+def unjudged_records(cfg: Config, train_items: list, test_items: list | None) -> list[str]:
+    """What --dry-run says of the records a reward does not apply to by construction (`Reward.applies`:
+    a one-panel layout for a pairwise judge): one line per reward and file, with the count, the
+    reason and what their samples are trained or evaluated on. A training record that no reward of
+    the set applies to could never be trained: one line naming file:line (DataError)."""
+    from paco_ds.rewards.registry import reward_class
+
+    lines = []
+    for items, rset, key, verb in ((train_items, cfg.rewards.train, "data.train_file", "train"),
+                                   (test_items or [], cfg.rewards.eval, "data.test_file", "are evaluated")):
+        names = list(rset.terms)
+        skipped = {name: [] for name in names}
+        for it in items:
+            why = {name: reward_class(name).applies(it.prompt, it.metadata) for name in names}
+            for name, reason in why.items():
+                if reason:
+                    skipped[name].append(reason)
+            if names and all(why.values()) and key == "data.train_file":
+                raise DataError(f"{it.where or key}: no reward of rewards.train.terms applies to this record ("
+                                + "; ".join(f"{n}: {r}" for n, r in why.items()) + "), so it could never be trained")
+        for name, reasons in skipped.items():
+            if reasons:
+                others = [n for n in names if n != name]
+                lines.append(f"{name}: {len(reasons)} of {len(items)} prompts in {key} ({reasons[0]}); their samples "
+                             f"{verb} on {', '.join(others)} without it (neither scored nor failed)")
+    return lines
+
+
 # Recorded in each checkpoint (meta.json 'recipe') and compared on resume (paco_ds/resume_settings.py).
 # A change of these makes the resumed run another run (tensors of another shape, another loss's state,
 # another model or reward): refused unless --allow-changed names it.
@@ -116,27 +142,6 @@ def check_resume(cfg: Config, path: Path, allowed: tuple[str, ...] = ()) -> str:
     if not saved:
         return ""
     return compare(saved, resume_settings(cfg), RESUME_MUST_MATCH, path, allowed, allow_flag=True)
-
-
-def check_writable(path: Path, key: str = "output_dir") -> None:
-    """`path` (a directory to be) can be created and written: probe the nearest existing ancestor
-    (or the directory itself) with a temporary file; nothing is left behind."""
-    path = Path(path)
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"config key '{key}': cannot create {path}: {probe} is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as err:
-        why = err.strerror or errno.errorcode.get(err.errno or 0, str(err))
-        raise ConfigError(f"config key '{key}': {path} is not writable ({why} in {probe})") from None
-    if probe == path and not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"config key '{key}': {path} is not writable")
 
 
 def check_lora_targets(cfg: Config) -> None:
@@ -198,10 +203,11 @@ def check_sequence_length(cfg: Config) -> None:
     """model.max_sequence_length within what the family's text encoder reads."""
     from paco_ds.models import policy_class
 
-    limit = policy_class(cfg.model.family).max_sequence_length_limit
+    limit = policy_class(cfg.model.family).sequence_length_limit(cfg.model.tiny)
     if limit is not None and cfg.model.max_sequence_length is not None and cfg.model.max_sequence_length > limit:
-        raise ConfigError(f"config key 'model.max_sequence_length': at most {limit} for model.family "
-                          f"'{cfg.model.family}', got {cfg.model.max_sequence_length}")
+        which = "the tiny twin of " if cfg.model.tiny else ""
+        raise ConfigError(f"config key 'model.max_sequence_length': at most {limit} for {which}model.family "
+                          f"'{cfg.model.family}' (its text encoder's positions), got {cfg.model.max_sequence_length}")
 
 
 def check_deepspeed_config(cfg: Config) -> None:

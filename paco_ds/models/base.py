@@ -134,8 +134,17 @@ class Policy(ABC):
     # mask support is refused for it: paco_ds/models/attention.py)
     text_attention_mask: bool = False
     # The longest prompt the family's text encoder reads (model.max_sequence_length is checked
-    # against it before anything loads); None: no limit of its own.
+    # against it before anything loads); None: no limit of its own. A tiny twin whose encoder holds a
+    # shorter position table says so in `tiny_max_sequence_length_limit`.
     max_sequence_length_limit: int | None = None
+    tiny_max_sequence_length_limit: int | None = None
+
+    @classmethod
+    def sequence_length_limit(cls, tiny: bool) -> int | None:
+        """model.max_sequence_length's limit for the full-size family, or for its tiny twin."""
+        if tiny and cls.tiny_max_sequence_length_limit is not None:
+            return cls.tiny_max_sequence_length_limit
+        return cls.max_sequence_length_limit
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from paco_ds.config import ModelConfig
+from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import FullSize, empty
 from paco_ds.models.schedule import ShiftConfig
@@ -113,6 +114,7 @@ class Flux2Policy(PackedPolicy):
     attention_dispatch = True  # Flux2AttnProcessor and Flux2ParallelSelfAttnProcessor dispatch
     # Mistral-Small-3.1's position table (the transformer's text rope has no table: any length runs)
     max_sequence_length_limit = MISTRAL_SMALL_3_1_TEXT["max_position_embeddings"]
+    tiny_max_sequence_length_limit = TINY_TEXT_POSITIONS
     # The hidden states the pipeline stacks (`text_encoder_out_layers`, its default)
     text_encoder_out_layers: tuple[int, ...] = (10, 20, 30)
     # FLUX's targets (PaCo-RL's: attention and MLP of both streams of the double blocks) in FLUX.2's

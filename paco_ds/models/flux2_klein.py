@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from paco_ds.config import ModelConfig
+from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
 from paco_ds.models.base import TextEmbeds
 from paco_ds.models.flux2 import FLUX2_DEV_TRANSFORMER, FLUX2_SCHEDULER, FLUX2_VAE, Flux2Policy
 from paco_ds.models.full_size import FullSize, empty
@@ -70,6 +71,7 @@ class Flux2KleinPolicy(Flux2Policy):
     # the distilled FLUX.2-klein-9B / -4B and klein-base-4B load with the same code (model.path).
     default_path = "black-forest-labs/FLUX.2-klein-base-9B"
     max_sequence_length_limit = QWEN3_8B["max_position_embeddings"]
+    tiny_max_sequence_length_limit = TINY_TEXT_POSITIONS
     text_encoder_out_layers = (9, 18, 27)
     full_size = FullSize(full_size_transformer, full_size_components)
 

@@ -62,19 +62,16 @@ def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
 
 
 @pytest.mark.parametrize("family, transformer, text_encoders", [
-    # Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) with Qwen2.5-VL-7B;
-    # without the LoRA: 20,430,401,088
-    ("qwen_image", "transformer 20,855,074,368, lora 424,673,280", "text_encoders 8,292,166,656"),
-    # Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B;
-    # without the LoRA: 6,154,908,736
-    ("z_image", "transformer 6,313,669,696, lora 158,760,960", "text_encoders 4,022,468,096"),
-    # FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B;
-    # without the LoRA: 9,078,581,248
-    ("flux2_klein", "transformer 9,221,187,584, lora 142,606,336", "text_encoders 8,190,735,360"),
+    # Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) with Qwen2.5-VL-7B
+    ("qwen_image", "transformer (base) 20,430,401,088, lora 424,673,280", "text_encoders 8,292,166,656"),
+    # Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B
+    ("z_image", "transformer (base) 6,154,908,736, lora 158,760,960", "text_encoders 4,022,468,096"),
+    # FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B
+    ("flux2_klein", "transformer (base) 9,078,581,248, lora 142,606,336", "text_encoders 8,190,735,360"),
 ])
 def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli(family, transformer, text_encoders):
     """A family's recipe on the paper's T2IS settings, planned on fake tensors from the CLI: the plan
-    states the transformer's parameters (LoRA included), the text encoder's, and its verdict."""
+    states the transformer's parameters (its base, and its LoRA beside it), the text encoder's, and its verdict."""
     args = [a for o in T2IS_DATA for a in ("--set", o)]
     proc = run_cli("launch/train.py", "--config", f"configs/{family}_t2is.yaml", "--dry-run", "--world-size", "8",
                    "--gpu-memory", "80", *args, timeout=900)
@@ -103,7 +100,7 @@ def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_fo
     out = _cli_plan("flux2_t2is.yaml", 80)
     assert "GPU plan per rank (flux2, 512x512, bfloat16, gradient checkpointing off" in out
     params = next(line for line in out.splitlines() if line.startswith("parameters:"))
-    assert "transformer 32,531,562,496, lora 308,281,344" in params  # 32,223,281,152 without the LoRA
+    assert "transformer (base) 32,223,281,152, lora 308,281,344" in params  # 32,531,562,496 with the LoRA
     assert "text_encoders 24,011,361,280" in params  # Mistral-Small-3.1, its vision tower included
     assert "note: text encoders (24,011,361,280 parameters, 44.7 GiB): whole on every rank" in out
     verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))

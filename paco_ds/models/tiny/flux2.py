@@ -33,6 +33,10 @@ MISTRAL_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", 
 MISTRAL_LAYERS, QWEN3_LAYERS = 31, 28  # the text encoders' depths here: past the last layer each pipeline reads
 
 
+# The tiny text encoders' position tables (Mistral3 for dev, Qwen3 for klein): model.max_sequence_length
+# beyond it is refused by --dry-run for the tiny twins (Flux2Policy.tiny_max_sequence_length_limit).
+TINY_TEXT_POSITIONS = 4096
+
 def mistral_tokenizer():
     """A byte-level BPE tokenizer (Mistral's Tekken is one too) with Mistral's special tokens and the
     text part of Mistral-Small-3.1's chat template; a fresh copy each call."""
@@ -89,7 +93,7 @@ def tiny_flux2_components(spec: TinyModelConfig | None = None, seed: int = 0) ->
     config = Mistral3Config(
         text_config={"model_type": "mistral", "vocab_size": len(tok), "hidden_size": d, "intermediate_size": 2 * d,
                      "num_hidden_layers": MISTRAL_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
-                     "head_dim": 16, "max_position_embeddings": 4096, "bos_token_id": tok.bos_token_id,
+                     "head_dim": 16, "max_position_embeddings": TINY_TEXT_POSITIONS, "bos_token_id": tok.bos_token_id,
                      "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
         vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                        "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
@@ -110,7 +114,7 @@ def tiny_flux2_klein_components(spec: TinyModelConfig | None = None, seed: int =
     tok = klein_tokenizer()
     d = spec.text_dim
     config = Qwen3Config(vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d, num_hidden_layers=QWEN3_LAYERS,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=TINY_TEXT_POSITIONS,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
                          bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id)
