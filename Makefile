@@ -56,9 +56,9 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 # The skips each lane allows (tests/conftest.py, "the skip policy"): a lane fails when a test is skipped for
 # any other reason, or when no test passed. The fast tier allows the checks of the reference's data files
-# (a copy beside the repository, ../shared/data) and, outside CI, the full-disk checks where no tmpfs can be
-# mounted (neither root nor user namespaces); CI runs as root, so there they must run. The runs tier allows
-# the Triton kernel tests that its own TRITON_INTERPRET=1 subprocess runs (and counts).
+# (a copy beside the repository, which a fresh clone lacks) and, outside CI, the full-disk checks where no
+# tmpfs can be mounted (neither root nor user namespaces); CI runs as root, so there they must run. The
+# runs tier allows the Triton kernel tests that its own TRITON_INTERPRET=1 subprocess runs (and counts).
 SKIP_POLICY := --allowed-skips=0
 SKIPS_FAST  := $(SKIP_POLICY) --allow-skip="shared/data/" \
   $(if $(filter true,$(CI)),,--allow-skip="to mount a small tmpfs" --allow-skip="cannot mount a tmpfs here")
@@ -103,12 +103,14 @@ test-triton36: triton36-setup
 
 # The GPU lane, for a machine with one CUDA GPU and no network (tests/gpu/run_lane.sh says what it runs).
 # `make gpu-wheels` here (network): .whl/ gets the wheels such a machine lacks (tests/gpu/wheels.txt),
-# checked to install on CPython 3.12 and to fit in 64 MiB. `make test-gpu` there, with .whl/ along.
+# checked to install on CPython 3.12 and to fit in 64 MiB, and .whl/source.json records this tree's commit
+# for results made from a copy without .git (kernels/bench/source.py). `make test-gpu` there, with .whl/ along.
 GPU_PYTHON ?= python3
 
 gpu-wheels: setup
 	$(PY) tests/gpu/bundle.py download
 	$(PY) tests/gpu/bundle.py check
+	$(PY) -m kernels.bench.source record .whl/source.json
 
 test-gpu:
 	GPU_PYTHON=$(GPU_PYTHON) bash tests/gpu/run_lane.sh

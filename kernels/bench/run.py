@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 import kernels
-from kernels.bench import SDE_OPS
+from kernels.bench import OP_TARGETS, SDE_OPS, op_targets, target_met, targets_line
+from kernels.bench.source import source_state
 from kernels.grpo import ppo_clip_loss_torch as ppo_ref
 from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref
 
@@ -244,7 +245,8 @@ def device_slug(device: torch.device) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'op':<12} {'shape':<30} {'backend':<14} {'median ms':>10} {'GB/s':>8} {'% copy':>7} {'vs eager':>9}"
+    head = (f"{'op':<12} {'shape':<30} {'backend':<14} {'median ms':>10} {'GB/s':>8} {'% copy':>7} {'vs eager':>9} "
+            f"{'target':>7}")
     print(head)
     print("-" * len(head))
     last = None
@@ -252,10 +254,12 @@ def print_table(rows: list[dict]) -> None:
         key = (r["op"], r["shape"])
         if last is not None and key[0] != last[0]:
             print()
-        speed = f"{r['speedup_vs_eager']:.1f}x" if r["speedup_vs_eager"] is not None else "-"
+        speed = f"{r['speedup_vs_eager']:.2f}x" if r["speedup_vs_eager"] is not None else "-"
         label = r["backend"] if r["runs"] == r["backend"] else f"{r['backend']}->{r['runs']}"
+        met = {True: "met", False: "MISSED", None: ""}[target_met(r)]
         print(f"{r['op'] if key != last else '':<12} {r['shape'] if key != last else '':<30} {label:<14} "
-              f"{r['median_ms']:>10.4f} {r['gbs']:>8.1f} {r['pct_copy']:>6.0f}%{'*' if 'note' in r else ' '}{speed:>8}")
+              f"{r['median_ms']:>10.4f} {r['gbs']:>8.1f} {r['pct_copy']:>6.0f}%{'*' if 'note' in r else ' '}{speed:>8} "
+              f"{met:>7}")
         last = key
     notes = list(dict.fromkeys(r["note"] for r in rows if "note" in r))
     if notes:
@@ -263,6 +267,19 @@ def print_table(rows: list[dict]) -> None:
     if any(r["op"] == "grpo_advantages" for r in rows):
         print("\n(grpo_advantages: k x m samples and 3 rewards; the trainer's whole advantage step is "
               "benchmarks/advantage_step.py)")
+
+
+def print_op_targets(targets: dict[str, dict]) -> None:
+    """Each op's target (kernels/bench/__init__.py OP_TARGETS) and whether its fused kernel met it."""
+    print("\nop targets (the fused kernel against eager torch, at every shape timed; kernels.bench.OP_TARGETS):")
+    for op, t in targets.items():
+        if t["status"] == "no fused kernel here":
+            print(f"  {op:<16} {t['target']:<36} -       no fused kernel here")
+            continue
+        verdict = "MISSED" if t["status"] == "missed" else "met"
+        print(f"  {op:<16} {t['target']:<36} {t['backend']:<7} {verdict:<7}"
+              f"{t['rows_met']}/{t['rows']} shapes, worst {t['worst_speedup_vs_eager']:.3g}x")
+    print(f"targets: {targets_line(targets)}")
 
 
 def plot(path: Path, rows: list[dict], curve: list[dict], copy_gbs: float, title: str) -> None:
@@ -354,6 +371,9 @@ def run(args, argv=None) -> int:
             row = {"op": op, "shape": shape, **extra, "backend": backend, "runs": runs, "median_ms": t * 1e3,
                    "bytes": nbytes, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
                    "speedup_vs_eager": base / t if base else None, "baseline": baseline}
+            met = target_met(row)
+            if met is not None:
+                row |= {"target_speedup_vs_eager": OP_TARGETS[op], "target_met": met}
             if row["pct_copy"] > 100:  # the caches were flushed before the call: say what explains it
                 row["note"] = (f"above the copy bandwidth: the backward re-reads the forward's inputs, counted twice "
                                f"in the bytes model, and part of them is still in the {timer.cache_bytes >> 20} MiB "
@@ -383,6 +403,8 @@ def run(args, argv=None) -> int:
             record("ppo_fwd_bwd", f"B={b}", {"batch": b}, nbytes, side_by_side(timer, fns, rounds))
 
     print_table(rows)
+    targets_by_op = op_targets(rows)
+    print_op_targets(targets_by_op)
     print_aot_table()
     slug = device_slug(device)
     env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
@@ -397,7 +419,9 @@ def run(args, argv=None) -> int:
                               "kl_fwd_bwd": "fp32 means: fwd reads 2, bwd reads 2 and writes 1",
                               "grpo_advantages": "read rewards [3, N] fp64 and ids, write 2 x [N] fp64",
                               "ppo_fwd_bwd": "read 3 x [B], write [B] grad"},
-              "targets": targets(rows, device), "seconds": round(time.perf_counter() - t_start, 1), "results": rows}
+              "targets": targets(rows, device), "op_targets": targets_by_op,
+              "op_targets_missed": [op for op, t in targets_by_op.items() if t["status"] == "missed"],
+              "source": source_state(), "seconds": round(time.perf_counter() - t_start, 1), "results": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{slug}.json").write_text(json.dumps(report, indent=1))
     title = (f"{slug}: {report['machine']['cpu_model'] if device.type == 'cpu' else report['machine'].get('gpu')}, "
