@@ -292,7 +292,7 @@ def profiler(args, side: Side, out: Path):
     """py-spy attached to the side's trainer process for one epoch (collapsed stacks, wall time)."""
     pid = side.proc.pid
     # the deepspeed launcher's child is the trainer: profile every process of the group
-    cmd = [args.py_spy, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", "50",
+    cmd = [args.py_spy, "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", str(PROFILE_RATE),
            "--nonblocking", "--output", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -337,6 +337,87 @@ def run_turns(sides: list[Side], tmp: Path, warmup: int, repeats: int, args) -> 
         for s in sides:
             s.stop()
     return [(s.name, e) for s, e in order]
+
+
+# ---------------------------------------------------------------------------------------------- profile
+PROFILE_RATE = 50  # py-spy samples per second (wall clock; idle threads are not sampled)
+# categories that own a sample when any frame of its stack matches (checked in this order) ...
+WHOLE_STACK = [
+    ("backward", lambda fn, f: f.startswith("torch/autograd/")),
+    ("optimizer step and clipping", lambda fn, f: f.startswith("torch/optim/") or "clip_grad" in fn
+     or (fn.endswith(".step") and "deepspeed/runtime/engine.py" in f) or fn == "clip_and_step"),
+    ("reward", lambda fn, f: "rewards/" in f or "JpegCompressibility" in fn or "reward_processor" in f),
+    ("VAE decode", lambda fn, f: "autoencoders/" in f or fn.endswith("decode_latents") or fn == "FluxPolicy.decode"),
+    ("prompt encoding", lambda fn, f: fn.endswith(("encode_prompt", "encode_prompts", "_get_t5_prompt_embeds",
+                                                   "_get_clip_prompt_embeds"))),
+    ("progress, logging, reports", lambda fn, f: f.startswith(("tqdm/", "tensorboard", "torch/utils/tensorboard"))
+     or f.endswith(("paco_ds/metrics.py", "paco_ds/report.py")) or "logger/" in f or "logging/" in f
+     or fn.endswith(("save_image", "make_grid", "log_data", "_print_epoch"))),
+]
+# ... else the first of these met walking from the leaf up
+FROM_LEAF = [
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear by its own autograd function
+    # (deepspeed/runtime/zero/linear.py): the linear layers' compute, counted where it is called from
+    ("DeepSpeed engine and ZeRO-3 hooks", lambda fn, f: f.startswith("deepspeed/") and not f.endswith(ZERO3_LINEAR)),
+    ("transformer forward", lambda fn, f: "transformer_flux.py" in f),
+    ("SDE step and log-prob", lambda fn, f: f.startswith("kernels/") or "scheduler/" in f or "sde" in fn.lower()
+     or "log_prob" in fn),
+    ("sample and batch bookkeeping", lambda fn, f: f.endswith(("sampling/trajectory.py", "sampling/rollouts.py",
+                                                              "grpo/epoch.py", "samples/samples.py",
+                                                              "trajectory_collector.py")) or "data_utils/" in f),
+]
+ZERO3_LINEAR = "deepspeed/runtime/zero/linear.py"
+OWN_CODE = {"paco_ds": ("paco_ds/", "kernels/", "launch/"), "flow_factory": ("flow_factory/",)}
+
+
+def _frames(line: str) -> tuple[list[tuple[str, str]], int]:
+    stack, _, count = line.rstrip().rpartition(" ")
+    frames = []
+    for part in stack.split(";"):
+        if part.startswith("process ") or " (" not in part:
+            continue
+        fn, _, where = part.rpartition(" (")
+        f = where.rstrip(")").rsplit(":", 1)[0]
+        f = f.split("site-packages/", 1)[-1].split(f"{REPO}/", 1)[-1].split("/src/", 1)[-1]
+        frames.append((fn, f))
+    return frames, int(count)
+
+
+def categorise(frames: list[tuple[str, str]]) -> str:
+    for name, rule in WHOLE_STACK:
+        if any(rule(fn, f) for fn, f in frames):
+            return name
+    for fn, f in reversed(frames):
+        for name, rule in FROM_LEAF:
+            if rule(fn, f):
+                return name
+    return "other"
+
+
+def profile_summary(paths: list[Path], side: str) -> dict:
+    """Seconds per category and the own-code functions that hold the time outside the transformer
+    (each sample goes to the deepest frame of the side's own code in its stack), per epoch."""
+    cats: dict[str, float] = {}
+    own: dict[str, float] = {}
+    zero3_linear = 0.0
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            frames, n = _frames(line)
+            cat = categorise(frames)
+            cats[cat] = cats.get(cat, 0.0) + n / PROFILE_RATE
+            if any(f.endswith(ZERO3_LINEAR) for _, f in frames):
+                zero3_linear += n / PROFILE_RATE
+            if cat not in ("transformer forward", "backward"):
+                mine = [f"{f}:{fn}" for fn, f in frames if f.startswith(OWN_CODE[side])]
+                key = mine[-1] if mine else "(no own frame) " + (f"{frames[-1][1]}:{frames[-1][0]}" if frames else "?")
+                own[key] = own.get(key, 0.0) + n / PROFILE_RATE
+    k = max(len(paths), 1)
+    return {"epochs": len(paths), "rate_hz": PROFILE_RATE,
+            "seconds_per_epoch": {c: v / k for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "in_zero3_linear_s_per_epoch": zero3_linear / k,  # of forward and backward: DeepSpeed's F.linear
+            "outside_transformer_by_own_function": [[f, v / k] for f, v in sorted(own.items(), key=lambda kv: -kv[1])[:25]]}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -514,6 +595,17 @@ def main(argv=None) -> int:
         print(f"paco_ds / Flow-Factory images/s: {ratio['images_per_sec']:.3f}x (per process CPU second "
               f"{ratio['images_per_cpu_sec']:.3f}x); seconds outside the transformer's forward, Flow-Factory / "
               f"paco_ds: {ratio['outside_transformer_s']:.2f}x")
+    profile = None
+    if args.profile_dir:
+        profile = {s: profile_summary(sorted(args.profile_dir.glob(f"{s}_epoch*.txt")), s) for s in res}
+        for name, prof in profile.items():
+            print(f"\n{name}: seconds per epoch by category (py-spy, {prof['epochs']} epoch(s))")
+            for cat, v in prof["seconds_per_epoch"].items():
+                print(f"  {cat:>36} {v:8.2f}")
+            print(f"  {'(of forward + backward: in ZeRO-3 linear)':>36} {prof['in_zero3_linear_s_per_epoch']:8.2f}")
+            print(f"{name}: outside the transformer's forward and backward, by the deepest own-code frame")
+            for f, v in prof["outside_transformer_by_own_function"][:12]:
+                print(f"  {v:8.2f}  {f}")
     from flow_factory_shim import __doc__ as shim_doc
 
     report = {
@@ -537,6 +629,7 @@ def main(argv=None) -> int:
                          "patches": shim_doc[shim_doc.index("| patch"):shim_doc.index("\n\nOffline")]}
         if not args.paco_only else None,
         "paco_ds_environment": {k: machine_info.get(k) for k in ("python", "torch")},
+        "profile": profile,
         "log_tails": logs,
         "load_average_at_end": os.getloadavg(),
         "method": "two trainer processes, each started once (the second after the first loaded); a gate before "
