@@ -302,6 +302,8 @@ def run_turns(sides: list[Side], tmp: Path, warmup: int, repeats: int, args) -> 
     the timed epochs alternates (A B, B A, ...). Returns the (side, epoch) turns in the order run."""
     turns = Turns(tmp)
     epochs = warmup + repeats
+    # a stop (SIGTERM) unwinds through the `finally` below, which stops the trainers this started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     order = [(s, e) for e in range(warmup) for s in sides]
     for r in range(repeats):
         order += [(s, warmup + r) for s in (sides if r % 2 == 0 else sides[::-1])]
