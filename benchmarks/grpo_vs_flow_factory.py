@@ -345,7 +345,8 @@ def run_turns(sides: list[Side], tmp: Path, warmup: int, repeats: int, args) -> 
 PROFILE_RATE = 50  # py-spy samples per second (wall clock; idle threads are not sampled)
 # categories that own a sample when any frame of its stack matches (checked in this order) ...
 WHOLE_STACK = [
-    ("backward", lambda fn, f: f.startswith("torch/autograd/")),
+    ("backward", lambda fn, f: fn in ("_engine_run_backward", "Tensor.backward", "DeepSpeedEngine.backward")
+     or (f.startswith("torch/autograd/") and fn == "backward")),
     ("optimizer step and clipping", lambda fn, f: f.startswith("torch/optim/") or "clip_grad" in fn
      or (fn.endswith(".step") and "deepspeed/runtime/engine.py" in f) or fn == "clip_and_step"),
     ("reward", lambda fn, f: "rewards/" in f or "JpegCompressibility" in fn or "reward_processor" in f),
@@ -369,6 +370,9 @@ FROM_LEAF = [
                                                               "trajectory_collector.py")) or "data_utils/" in f),
 ]
 ZERO3_LINEAR = "deepspeed/runtime/zero/linear.py"
+PHASE_FRAMES = {"sample": ("GRPOTrainer.sample_epoch", "GRPOTrainer.sample"),
+                "reward": ("GRPOTrainer.score_epoch", "GRPOTrainer.prepare_feedback"),
+                "train": ("GRPOTrainer.train_epoch", "GRPOTrainer.optimize")}
 OWN_CODE = {"paco_ds": ("paco_ds/", "kernels/", "launch/"), "flow_factory": ("flow_factory/",)}
 
 
@@ -400,6 +404,7 @@ def profile_summary(paths: list[Path], side: str) -> dict:
     """Seconds per category and the own-code functions that hold the time outside the transformer
     (each sample goes to the deepest frame of the side's own code in its stack), per epoch."""
     cats: dict[str, float] = {}
+    by_phase: dict[str, dict[str, float]] = {}
     own: dict[str, float] = {}
     zero3_linear = 0.0
     for path in paths:
@@ -409,6 +414,9 @@ def profile_summary(paths: list[Path], side: str) -> dict:
             frames, n = _frames(line)
             cat = categorise(frames)
             cats[cat] = cats.get(cat, 0.0) + n / PROFILE_RATE
+            phase = next((ph for ph, names in PHASE_FRAMES.items() if any(fn in names for fn, _ in frames)), "other")
+            slot = by_phase.setdefault(phase, {})
+            slot[cat] = slot.get(cat, 0.0) + n / PROFILE_RATE
             if any(f.endswith(ZERO3_LINEAR) for _, f in frames):
                 zero3_linear += n / PROFILE_RATE
             if cat not in ("transformer forward", "backward"):
@@ -419,6 +427,8 @@ def profile_summary(paths: list[Path], side: str) -> dict:
     return {"epochs": len(paths), "rate_hz": PROFILE_RATE,
             "seconds_per_epoch": {c: v / k for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "in_zero3_linear_s_per_epoch": zero3_linear / k,  # of forward and backward: DeepSpeed's F.linear
+            "seconds_per_epoch_by_phase": {ph: {c: v / k for c, v in sorted(d.items(), key=lambda kv: -kv[1])}
+                                           for ph, d in by_phase.items()},
             "outside_transformer_by_own_function": [[f, v / k] for f, v in sorted(own.items(), key=lambda kv: -kv[1])[:25]]}
 
 
@@ -605,6 +615,8 @@ def main(argv=None) -> int:
             for cat, v in prof["seconds_per_epoch"].items():
                 print(f"  {cat:>36} {v:8.2f}")
             print(f"  {'(of forward + backward: in ZeRO-3 linear)':>36} {prof['in_zero3_linear_s_per_epoch']:8.2f}")
+            for ph, d in prof["seconds_per_epoch_by_phase"].items():
+                print(f"  {ph}: " + ", ".join(f"{c} {v:.2f}" for c, v in d.items()))
             print(f"{name}: outside the transformer's forward and backward, by the deepest own-code frame")
             for f, v in prof["outside_transformer_by_own_function"][:12]:
                 print(f"  {v:8.2f}  {f}")
