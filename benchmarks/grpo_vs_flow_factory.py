@@ -537,6 +537,8 @@ def main(argv=None) -> int:
                    help="torch threads per side (OMP_NUM_THREADS; default 1)")
     p.add_argument("--paco-launcher", choices=("deepspeed", "python"), default="deepspeed",
                    help="deepspeed --num_gpus 1 launch/train.py (default) or plain python launch/train.py")
+    p.add_argument("--paco-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of paco_ds's recipe (launch/train.py --set), e.g. deepspeed.zero_stage=2")
     p.add_argument("--quick", action="store_true", help="tiny FLUX folder, 32 px, 1 epoch per side, no warm-up")
     p.add_argument("--profile-dir", type=Path, help="py-spy each timed epoch into this folder (collapsed stacks)")
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy", help="the py-spy executable")
@@ -573,16 +575,17 @@ def main(argv=None) -> int:
         recipe, ff_config = write_inputs(tmp, folder, args, epochs)
         worker = [str(Path(__file__).resolve()), "paco-worker", "--clock-file", str(tmp / "paco_ds.jsonl"),
                   "--gate-dir", str(tmp)]
+        sets = [a for kv in args.paco_set for a in ("--set", kv)]
         if args.paco_launcher == "deepspeed":
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             paco_cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
-                        *worker, "--config", str(recipe)]
-            user_cmd = f"deepspeed --num_gpus 1 launch/train.py --config {recipe.name}"
+                        *worker, "--config", str(recipe), *sets]
+            user_cmd = " ".join(["deepspeed --num_gpus 1 launch/train.py --config", recipe.name, *sets])
         else:
-            paco_cmd = [sys.executable, *worker, "--config", str(recipe)]
-            user_cmd = f"python launch/train.py --config {recipe.name}"
+            paco_cmd = [sys.executable, *worker, "--config", str(recipe), *sets]
+            user_cmd = " ".join(["python launch/train.py --config", recipe.name, *sets])
         sides = [Side("paco_ds", paco_cmd, paco_env, tmp)]
         if not args.paco_only:
             sides.append(Side("flow_factory", [args.ff_python, str(SHIM), "--clock-file", str(tmp / "flow_factory.jsonl"),
@@ -631,7 +634,7 @@ def main(argv=None) -> int:
                    "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA}, "learning_rate": LR,
                    "optimizer_steps_per_epoch": OPT_STEPS, "reward": "jpeg_compressibility", "dtype": "float32",
                    "torch_threads": args.threads, "warmup_epochs": warmup, "repeats": args.repeats,
-                   "paco_launcher": args.paco_launcher, "paco_user_command": user_cmd,
+                   "paco_launcher": args.paco_launcher, "paco_user_command": user_cmd, "paco_set": args.paco_set,
                    "flow_factory_user_command": "python -m flow_factory.train flow_factory.yaml (ff-train, one process),"
                                                 " through benchmarks/flow_factory_shim.py",
                    "recipes": recipes, "choices": CHOICES},
