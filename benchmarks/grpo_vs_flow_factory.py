@@ -34,6 +34,7 @@ loading, reported as startup). images/s = 4 / median epoch seconds.
     python benchmarks/grpo_vs_flow_factory.py --ff-python /work/ff/venv/bin/python --ff-root /work/ff/Flow-Factory
     python benchmarks/grpo_vs_flow_factory.py --quick --paco-only        # tiny model, 1 epoch, seconds (the test)
     python benchmarks/grpo_vs_flow_factory.py --profile-dir DIR ...       # py-spy each side's timed epochs
+    python benchmarks/grpo_vs_flow_factory.py --paco-set deepspeed.zero_stage=2 ...   # paco_ds on a ZeRO-2 engine
 
 The benchmark does not install Flow-Factory: point --ff-python at the interpreter of an environment where
 it is installed per its README (`pip install -e <checkout>`), and --ff-root at that checkout (its commit is
