@@ -43,7 +43,7 @@ transformer, the T5 encoder and the VAE decoder. Writes benchmarks/results/grpo_
 
 With --judge both paths score with the consistency reward instead, against ONE tiny judge served once
 on loopback by paco_ds's own server (paco_ds/serving/manager.py starting the hf engine on the tiny
-offline Qwen2.5-VL, paco_ds/tiny_judge.py), on the T2IS prompts and criteria of
+offline Qwen2.5-VL, paco_ds/recipe/tiny_judge.py), on the T2IS prompts and criteria of
 paco_ds/data/prompts/tiny_t2is_train.jsonl (2x2 grids, three criteria each). (a) scores with
 paco_ds's `consistency_score` (the recipe's template 1: each of the 6 panel pairs asked once) through
 its RewardRunner with overlap, as the trainer does; (b) sends its requests as PaCo-RL's
@@ -115,7 +115,7 @@ SIMPLIFICATIONS = [
 JUDGE_MODEL = JUDGE  # the tiny Qwen2.5-VL that _common.tiny_judge serves
 JUDGE_REWARD = "consistency_score"
 JUDGE_ITEMS = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
-# the tiny judge's whole vocabulary (paco_ds/tiny_judge.py): with random weights "Yes"/"No" need not be
+# the tiny judge's whole vocabulary (paco_ds/recipe/tiny_judge.py): with random weights "Yes"/"No" need not be
 # among the top 20 the reference asks for; the same in both paths, so each request costs the same to answer
 JUDGE_TOP_LOGPROBS = 267
 REF_MAX_CONCURRENT = 120  # PaCo-GRPO/paco_grpo/rewards/rewards.py:167 (max_concurrent of each call's scorer)
@@ -198,7 +198,7 @@ class Clock:
 def load_policy(args, device):
     import torch
 
-    from paco_ds.config import LoraConfig, ModelConfig
+    from paco_ds.recipe.schema import LoraConfig, ModelConfig
     from paco_ds.models.attention import set_attention_backend
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
@@ -744,7 +744,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.images import grid_shape
     from paco_ds.rewards.runner import RewardRunner
 

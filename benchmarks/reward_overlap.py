@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.grpo.plan import load_config
     from paco_ds.data import load_prompts
     from paco_ds.models.flux import FluxPolicy

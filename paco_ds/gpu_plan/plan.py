@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.sampling.solver import plan_for
 
 GiB = 2 ** 30
@@ -146,8 +146,8 @@ def _zero(ds: dict) -> dict:
 def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> GpuPlan:
     """Run the fake-CUDA pass for `cfg` and account one rank of `world_size` with `gpu_gib` GiB.
     `inject(name, fn) -> fn` may wrap the SDE step (tests put a host tensor into its inputs)."""
-    from paco_ds.dtypes import resolve_dtype
-    from paco_ds.engine import load_ds_config
+    from paco_ds.runtime.dtypes import resolve_dtype
+    from paco_ds.runtime.engine import load_ds_config
     from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
     from paco_ds.grpo.losses import build_loss
     from paco_ds.grpo.plan import derive

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem, load_prompts
-from paco_ds.distributed import DistInfo
-from paco_ds.dtypes import resolve_dtype
-from paco_ds.engine import build_ds_config, load_ds_config, zero_stage
+from paco_ds.runtime.distributed import DistInfo
+from paco_ds.runtime.dtypes import resolve_dtype
+from paco_ds.runtime.engine import build_ds_config, load_ds_config, zero_stage
 from paco_ds.grpo.plan import EpochPlan
 from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy

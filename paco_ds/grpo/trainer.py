@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from paco_ds import stopping
-from paco_ds.checkpoint import CheckpointManager
-from paco_ds.config import Config
+from paco_ds.runtime import stopping
+from paco_ds.runtime.checkpoint import CheckpointManager
+from paco_ds.recipe.schema import Config
 from paco_ds.data import KRepeatSampler
-from paco_ds.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
-from paco_ds.engine import create_engine, zero_stage
+from paco_ds.runtime.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
+from paco_ds.runtime.engine import create_engine, zero_stage
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
@@ -46,8 +46,8 @@ from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
 from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import make_grid, to_pil
-from paco_ds.metrics import MetricsLogger, own_wandb_run
-from paco_ds.recipe import recipe_to_yaml
+from paco_ds.runtime.metrics import MetricsLogger, own_wandb_run
+from paco_ds.recipe.loader import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
 from paco_ds.sampling.trajectory import TrainingBatch, make_generator
 from paco_ds.sampling.window import window_start
@@ -182,7 +182,7 @@ class GRPOTrainer:
         export_adapter(self.policy, self.trainable, self.ema, zero_stage(self.ds_config) == 3, self.run_dir / "lora",
                        self.dist.is_main)
         if self.dist.is_main:
-            from paco_ds.report import write_report
+            from paco_ds.report.page import write_report
 
             report = write_report(self.run_dir)
             print(f"report: {report}", flush=True)

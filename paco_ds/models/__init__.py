@@ -7,7 +7,7 @@ outside paco_ds is named by its import path, `model.family: mypackage.module:MyP
 """
 from __future__ import annotations
 
-from paco_ds.recipe import resolve
+from paco_ds.recipe.loader import resolve
 
 POLICIES: dict[str, str] = {
     "flux": "paco_ds.models.flux:FluxPolicy",

@@ -18,7 +18,7 @@ from paco_ds.models.full_size import FullSize
 from paco_ds.models.schedule import ShiftConfig, flux_sigmas
 
 if TYPE_CHECKING:
-    from paco_ds.config import ModelConfig, TinyModelConfig
+    from paco_ds.recipe.schema import ModelConfig, TinyModelConfig
 
 
 def _opt(x, fn):
@@ -155,7 +155,7 @@ class Policy(ABC):
         bit-identical to a plain load once gathered. The tiny model is always built whole: it has no
         checkpoint to stream from and is small enough that `deepspeed.initialize` partitioning it
         afterwards costs nothing."""
-        from paco_ds.dtypes import resolve_dtype
+        from paco_ds.runtime.dtypes import resolve_dtype
         from paco_ds.models.zero_load import is_zero3
 
         dtype = resolve_dtype(cfg.dtype, device)

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
 from paco_ds.models.zero_load import load_transformer

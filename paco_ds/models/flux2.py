@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import FullSize, empty

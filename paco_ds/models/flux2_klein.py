@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
 from paco_ds.models.base import TextEmbeds
 from paco_ds.models.flux2 import FLUX2_DEV_TRANSFORMER, FLUX2_SCHEDULER, FLUX2_VAE, Flux2Policy

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import Condition, TextEmbeds
 from paco_ds.models.flux import FluxPolicy
 

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
 from paco_ds.models.schedule import ShiftConfig, calculate_mu

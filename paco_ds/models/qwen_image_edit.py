@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import Condition, TextEmbeds
 from paco_ds.models.full_size import FullSize
 from paco_ds.models.qwen_image import QwenImagePolicy, full_size_transformer

@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
 from paco_ds.models.flux import FLUX_VAE
 from paco_ds.models.full_size import FullSize, empty

@@ -16,9 +16,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 
 import kernels
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem, read_references
-from paco_ds.engine import gathered_for_phase
+from paco_ds.runtime.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
 from paco_ds.models.compile import compiled_while_gathered

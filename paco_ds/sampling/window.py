@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.sampling.trajectory import make_generator
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import policy_class, with_family_defaults
 from paco_ds.models.base import Policy
 from paco_ds.models.lora import add_lora

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from paco_ds.config import LossSection
+from paco_ds.recipe.schema import LossSection
 from paco_ds.grpo.losses.base import Loss
 from paco_ds.sampling.trajectory import transition_log_prob
 

@@ -116,7 +116,7 @@ class _RecordRefs(Reward):
 
 
 def test_rewards_receive_the_original_reference_images():
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.rewards.runner import RewardRunner
     from paco_ds.images import to_pil
 

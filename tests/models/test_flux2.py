@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_loaded_lora_matches, load_exported_lora, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.flux2 import Flux2Policy
 from paco_ds.models.flux2_klein import Flux2KleinPolicy

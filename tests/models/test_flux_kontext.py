@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict

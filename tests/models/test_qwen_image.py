@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.qwen_image import QwenImagePolicy
 from paco_ds.models.qwen_image_edit import QwenEditPolicy

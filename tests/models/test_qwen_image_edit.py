@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_loaded_lora_matches, load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 

@@ -9,7 +9,7 @@ import torch
 
 from kernels.sde_reference import sde_step
 from conftest import with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.z_image import ZImagePolicy
 from paco_ds.models.tiny.z_image import tiny_z_image_components, tiny_z_image_pipeline

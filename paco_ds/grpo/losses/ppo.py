@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 import kernels
-from paco_ds.config import Config, LossSection
+from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import step_advantages, transition_log_prob
