@@ -203,11 +203,12 @@ def check_sequence_length(cfg: Config) -> None:
     """model.max_sequence_length within what the family's text encoder reads."""
     from paco_ds.models import policy_class
 
-    limit = policy_class(cfg.model.family).sequence_length_limit(cfg.model.tiny)
+    policy = policy_class(cfg.model.family)
+    limit = policy.sequence_length_limit(cfg.model.tiny)
     if limit is not None and cfg.model.max_sequence_length is not None and cfg.model.max_sequence_length > limit:
-        which = "the tiny twin of " if cfg.model.tiny else ""
+        which = "the tiny twin of " if limit != policy.max_sequence_length_limit else ""
         raise ConfigError(f"config key 'model.max_sequence_length': at most {limit} for {which}model.family "
-                          f"'{cfg.model.family}' (its text encoder's positions), got {cfg.model.max_sequence_length}")
+                          f"'{cfg.model.family}', got {cfg.model.max_sequence_length}")
 
 
 def check_deepspeed_config(cfg: Config) -> None:
