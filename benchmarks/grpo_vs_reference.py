@@ -290,8 +290,7 @@ def paco_rollouts(policy, args, variant: str):
         f"sample.noise_level={NOISE_LEVEL}", f"sample.noise_steps={NOISE_STEPS}", f"kernels.backend={args.backend}",
         "sample.same_latent=false", "sample.share_prefix=false", *overrides])
     sde = partial(kernels.sde_step, backend=args.backend, return_mean=BETA > 0)  # the mean only for the KL term
-    return Rollouts(cfg, policy, sde, train_timesteps=NOISE_STEPS, needs=RolloutNeeds(log_probs=True),
-                    share_prefix=cfg.sample.share_prefix)
+    return Rollouts(cfg, policy, sde, needs=RolloutNeeds(log_probs=True), share_prefix=True)
 
 
 def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
@@ -306,7 +305,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_a"]
     rollouts = ctx["rollouts"][variant]
-    sde = rollouts.sde
+    spec = rollouts.spec(rep)  # the guidance, noise level and SDE step the epoch samples with
     times = {}
     calls0 = rollouts.transformer_calls
     t0, c0 = clock.now(), time.process_time()
@@ -348,8 +347,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
             batch = gather_samples([entries[idx]])
             a = adv[[idx]].to(policy.device)
             for t in range(n_steps):
-                step = transition_log_prob(policy, module, batch, t, slice(None), guidance=GUIDANCE,
-                                           noise_level=NOISE_LEVEL, sde_fn=sde)
+                step = transition_log_prob(policy, module, batch, t, slice(None), spec=spec)
                 loss, _ = kernels.ppo_clip_loss(step.log_prob, batch.log_prob[:, t].to(policy.device), a, CLIP_RANGE,
                                                 ADV_CLIP, backend=args.backend)
                 (loss / per_opt).backward()

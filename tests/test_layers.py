@@ -205,3 +205,28 @@ def test_a_rollout_walks_down_the_sampling_package():
         above = set(order[:i + 1])
         assert not graph[m] & above, f"{m} imports {graph[m] & above}"
     assert not {d for m in order for d in graph[m] if d.startswith("paco_ds.grpo")}  # sampling sits below the trainer
+
+
+def _parameter_counts(source: str) -> dict[str, int]:
+    """Every function's (and method's, nested one's) parameters, `self`, keyword-only ones, *args and
+    **kwargs each counted: name -> count."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            out[f"{node.lineno}: {node.name}"] = len(a.posonlyargs + a.args + a.kwonlyargs) + (a.vararg is not None) \
+                + (a.kwarg is not None)
+    return out
+
+
+def test_sampling_takes_typed_records_not_long_parameter_lists():
+    """The sampler takes the epoch's SamplingSpec and a RolloutBatch (paco_ds/sampling/spec.py):
+    `sample_trajectories` at most 6 parameters, every other function of paco_ds/sampling at most 8."""
+    counts = {f"{p.relative_to(REPO)}:{name}": n for p in sorted((REPO / "paco_ds/sampling").glob("*.py"))
+              for name, n in _parameter_counts(p.read_text()).items()}
+    sampler = [n for name, n in counts.items() if name.endswith(": sample_trajectories")]
+    assert sampler and max(sampler) <= 6, sampler
+    long = {name: n for name, n in counts.items() if n > 8}
+    assert not long, long
+    # what it counts: self, keyword-only parameters and **kwargs alike
+    assert list(_parameter_counts("class A:\n    def f(self, a, *, b=1, **kw): pass").values()) == [4]

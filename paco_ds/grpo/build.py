@@ -9,7 +9,7 @@ from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem, load_prompts
 from paco_ds.runtime.distributed import DistInfo
 from paco_ds.runtime.dtypes import resolve_dtype
-from paco_ds.runtime.engine import build_ds_config, load_ds_config, zero_stage
+from paco_ds.runtime.engine import build_ds_config, gathers_per_step, load_ds_config, zero_stage
 from paco_ds.grpo.plan import EpochPlan
 from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy
@@ -63,12 +63,11 @@ def rewards(cfg: Config, dist: DistInfo) -> tuple[RewardRunner, RewardRunner]:
     return train, test
 
 
-def rollouts(cfg: Config, plan: EpochPlan, policy, loss, engine, ds: dict) -> Rollouts:
-    """Rollouts sample with the loss's SDE step, through the engine (or the transformer gathered once).
-    A shared group prefix makes ranks run different numbers of forwards: only where a forward needs
-    no collective (ZeRO-3 gathers per step under rollout_gather=per_step)."""
-    per_step_gather = zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "per_step"
-    return Rollouts(cfg, policy, loss.sde, module=engine,
-                    gather_once=zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "once",
-                    train_timesteps=plan.train_timesteps, needs=loss.needs,
-                    share_prefix=cfg.sample.share_prefix and not per_step_gather)
+def rollouts(cfg: Config, policy, loss, engine, ds: dict) -> Rollouts:
+    """Rollouts sample with the loss's SDE step and keep what the loss needs, through the engine (or,
+    under ZeRO-3, the transformer gathered once per sampling phase). A shared group prefix makes
+    ranks run different numbers of forwards: only where a forward needs no collective (not where
+    ZeRO-3 gathers in every forward, `gathers_per_step`)."""
+    per_step = gathers_per_step(cfg)
+    return Rollouts(cfg, policy, loss.sde, module=engine, gather_once=zero_stage(ds) == 3 and not per_step,
+                    needs=loss.needs, share_prefix=not per_step)

@@ -182,10 +182,10 @@ def rollout_line(cfg: Config) -> str:
         out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
     head = ode_stretches(cfg)[:1]
     if s.same_latent and s.share_prefix and head and head[0][0] == 0:
-        from paco_ds.runtime.engine import recipe_zero_stage
+        from paco_ds.runtime.engine import gathers_per_step
 
-        if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
-            # the trainer turns the sharing off there: each step gathers its own parameters (trainer.py)
+        if gathers_per_step(cfg):
+            # the trainer turns the sharing off there: each step gathers its own parameters (build.py)
             out += "; sample.share_prefix is off under deepspeed.rollout_gather: per_step (ZeRO-3)"
         else:
             out += "; a group's steps before its first SDE step once per rank (sample.share_prefix)"

@@ -168,13 +168,12 @@ def check_compile(cfg: Config) -> None:
     ZeRO-3's training steps (paco_ds/models/compile.py)."""
     if not (cfg.model.compile or cfg.deepspeed.engine_compile):
         return
-    from paco_ds.runtime.engine import recipe_zero_stage
+    from paco_ds.runtime.engine import gathers_per_step, recipe_zero_stage
     from paco_ds.models.compile import ENGINE_COMPILE_REFUSAL, ZERO3_PER_STEP_REFUSAL
 
-    zero3 = recipe_zero_stage(cfg) == 3
-    if cfg.model.compile and zero3 and cfg.deepspeed.rollout_gather == "per_step":
+    if cfg.model.compile and gathers_per_step(cfg):
         raise ConfigError(ZERO3_PER_STEP_REFUSAL)
-    if cfg.deepspeed.engine_compile and not zero3:
+    if cfg.deepspeed.engine_compile and recipe_zero_stage(cfg) != 3:
         raise ConfigError(ENGINE_COMPILE_REFUSAL)
 
 
@@ -183,9 +182,9 @@ def check_tree(cfg: Config) -> None:
     leaves need): only where a forward needs no collective, as the shared group prefix."""
     if cfg.sample.tree is None:
         return
-    from paco_ds.runtime.engine import recipe_zero_stage
+    from paco_ds.runtime.engine import gathers_per_step
 
-    if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
+    if gathers_per_step(cfg):
         raise ConfigError("config key 'sample.tree': needs deepspeed.rollout_gather: once under ZeRO stage 3 (per-step "
                           "gathering is a collective in every forward, and ranks compute different numbers of nodes)")
 

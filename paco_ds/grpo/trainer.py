@@ -81,7 +81,7 @@ class GRPOTrainer:
         self.train_rewards, self.eval_rewards = build.rewards(cfg, dist)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
-        self.rollouts = build.rollouts(cfg, self.plan, self.policy, self.loss, self.engine, self.ds_config)
+        self.rollouts = build.rollouts(cfg, self.policy, self.loss, self.engine, self.ds_config)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.preemption = Preemption(self.ckpt, self.engine, self.trainable, self.loss, self.state, self._meta,
                                      zero3=zero_stage(self.ds_config) == 3, device=dist.device, run_dir=self.run_dir,
