@@ -37,11 +37,13 @@ def ds_config(cfg: Config, plan: EpochPlan, dist: DistInfo) -> dict:
         overrides=cfg.deepspeed.overrides)
 
 
-def adapted_policy(cfg: Config, device: torch.device, ds: dict):
+def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None):
     """The policy with the recipe's LoRA: frozen encoders/VAE per rank; the transformer goes into the
-    engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer."""
+    engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer. `source`
+    (a paco_ds.models.base.ModelSource): where the modules come from when not the recipe's checkpoint
+    or tiny twin (the GPU plan's full-size model on a fake device, paco_ds/gpu_plan/source.py)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
-    policy = build_policy(cfg.model, device, ds)
+    policy = build_policy(cfg.model, device, ds, source)
     add_lora(policy.transformer, cfg.model.lora)
     set_attention_backend(policy.transformer, cfg.model.attention_backend)  # checked at start-up (run.py)
     if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
