@@ -42,7 +42,7 @@ setup(
         "pyarrow>=14",  # editing data in .parquet/.arrow (data.format: edit)
         "openai>=1.40",
         "httpx>=0.27",
-        "psutil>=5.9",  # paco_ds/processes.py: the judges, ranks and hosts a run watches and stops
+        "psutil>=5.9",  # paco_ds/runtime/processes.py: the judges, ranks and hosts a run watches and stops
         "fastapi>=0.110",
         "starlette>=0.36",  # imported directly (run_in_threadpool); fastapi's own dependency
         # paco_ds/serving/protocol.py subclasses uvicorn's H11Protocol (private) for the client-side

@@ -41,7 +41,7 @@ def machine() -> dict:
 def tiny_judge(**overrides) -> Iterator[str]:
     """The tiny Qwen2.5-VL on the built-in hf engine, on a free port; yields its base URL."""
     from paco_ds.serving import manager
-    from paco_ds.serving.config import ServersConfig
+    from paco_ds.recipe.servers import ServersConfig
 
     cfg = ServersConfig(engine="hf", models=[{"name": JUDGE, "tiny": True}], port=0, max_logprobs=267,
                         **overrides)

@@ -31,7 +31,7 @@ def case(k: int, m: int, fn: str, global_std: bool, device, triton: bool) -> dic
     """{backend: the advantage step of an epoch of m prompts x k images}, on host arrays."""
     import numpy as np
 
-    from paco_ds.config import AdvantageConfig, AggregationConfig
+    from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
     from paco_ds.grpo.advantages import StatTracker
 
     n = k * m

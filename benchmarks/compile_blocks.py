@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     info = machine()
     from diffusers import FluxTransformer2DModel
 
-    from paco_ds.config import LoraConfig
+    from paco_ds.recipe.schema import LoraConfig
     from paco_ds.models.attention import set_attention_backend
     from paco_ds.models.compile import compile_blocks
     from paco_ds.models.flux import FluxPolicy

@@ -43,7 +43,7 @@ transformer, the T5 encoder and the VAE decoder. Writes benchmarks/results/grpo_
 
 With --judge both paths score with the consistency reward instead, against ONE tiny judge served once
 on loopback by paco_ds's own server (paco_ds/serving/manager.py starting the hf engine on the tiny
-offline Qwen2.5-VL, paco_ds/tiny_judge.py), on the T2IS prompts and criteria of
+offline Qwen2.5-VL, paco_ds/recipe/tiny_judge.py), on the T2IS prompts and criteria of
 paco_ds/data/prompts/tiny_t2is_train.jsonl (2x2 grids, three criteria each). (a) scores with
 paco_ds's `consistency_score` (the recipe's template 1: each of the 6 panel pairs asked once) through
 its RewardRunner with overlap, as the trainer does; (b) sends its requests as PaCo-RL's
@@ -115,7 +115,7 @@ SIMPLIFICATIONS = [
 JUDGE_MODEL = JUDGE  # the tiny Qwen2.5-VL that _common.tiny_judge serves
 JUDGE_REWARD = "consistency_score"
 JUDGE_ITEMS = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
-# the tiny judge's whole vocabulary (paco_ds/tiny_judge.py): with random weights "Yes"/"No" need not be
+# the tiny judge's whole vocabulary (paco_ds/recipe/tiny_judge.py): with random weights "Yes"/"No" need not be
 # among the top 20 the reference asks for; the same in both paths, so each request costs the same to answer
 JUDGE_TOP_LOGPROBS = 267
 REF_MAX_CONCURRENT = 120  # PaCo-GRPO/paco_grpo/rewards/rewards.py:167 (max_concurrent of each call's scorer)
@@ -198,7 +198,7 @@ class Clock:
 def load_policy(args, device):
     import torch
 
-    from paco_ds.config import LoraConfig, ModelConfig
+    from paco_ds.recipe.schema import LoraConfig, ModelConfig
     from paco_ds.models.attention import set_attention_backend
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
@@ -290,8 +290,7 @@ def paco_rollouts(policy, args, variant: str):
         f"sample.noise_level={NOISE_LEVEL}", f"sample.noise_steps={NOISE_STEPS}", f"kernels.backend={args.backend}",
         "sample.same_latent=false", "sample.share_prefix=false", *overrides])
     sde = partial(kernels.sde_step, backend=args.backend, return_mean=BETA > 0)  # the mean only for the KL term
-    return Rollouts(cfg, policy, sde, train_timesteps=NOISE_STEPS, needs=RolloutNeeds(log_probs=True),
-                    share_prefix=cfg.sample.share_prefix)
+    return Rollouts(cfg, policy, sde, needs=RolloutNeeds(log_probs=True), share_prefix=True)
 
 
 def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
@@ -306,7 +305,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
 
     policy, args, clock, counters, runner = ctx["policy"], ctx["args"], ctx["clock"], ctx["counters"], ctx["runner_a"]
     rollouts = ctx["rollouts"][variant]
-    sde = rollouts.sde
+    spec = rollouts.spec(rep)  # the guidance, noise level and SDE step the epoch samples with
     times = {}
     calls0 = rollouts.transformer_calls
     t0, c0 = clock.now(), time.process_time()
@@ -348,8 +347,7 @@ def epoch_paco(ctx, rep: int, variant: str = "paco_ds") -> dict:
             batch = gather_samples([entries[idx]])
             a = adv[[idx]].to(policy.device)
             for t in range(n_steps):
-                step = transition_log_prob(policy, module, batch, t, slice(None), guidance=GUIDANCE,
-                                           noise_level=NOISE_LEVEL, sde_fn=sde)
+                step = transition_log_prob(policy, module, batch, t, slice(None), spec=spec)
                 loss, _ = kernels.ppo_clip_loss(step.log_prob, batch.log_prob[:, t].to(policy.device), a, CLIP_RANGE,
                                                 ADV_CLIP, backend=args.backend)
                 (loss / per_opt).backward()
@@ -744,7 +742,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.images import grid_shape
     from paco_ds.rewards.runner import RewardRunner
 

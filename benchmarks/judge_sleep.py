@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     import httpx
 
     from paco_ds.serving import manager
-    from paco_ds.serving.config import ServersConfig
+    from paco_ds.recipe.servers import ServersConfig
     from paco_ds.serving.sleep import JudgeSleep
 
     rows = []

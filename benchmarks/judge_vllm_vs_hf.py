@@ -27,8 +27,8 @@ from PIL import Image
 from _common import JUDGE, RESULTS, machine, write_report  # puts the repository on sys.path
 from paco_ds.rewards.consistency import PAIR_TEMPLATE_V1, data_uri
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
-from paco_ds.tiny_judge import TINY_JUDGE_VOCAB_SIZE
+from paco_ds.recipe.servers import ServersConfig
+from paco_ds.recipe.tiny_judge import TINY_JUDGE_VOCAB_SIZE
 
 ENGINES = ("vllm", "hf")
 

@@ -63,11 +63,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.grpo.plan import load_config
     from paco_ds.data import load_prompts
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.rewards.runner import RewardRunner
+    from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
     from paco_ds.sampling.trajectory import make_generator, sample_trajectories
 
     torch.set_num_threads(args.threads)
@@ -77,15 +78,15 @@ def main(argv=None) -> int:
     policy = FluxPolicy.load(cfg.model, torch.device("cpu"))
     items = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
     h = w = args.resolution
+    spec = SamplingSpec(num_steps=num_steps, guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level)
 
     def rollout(rep: int, b: int):
         picks = [items[(b * args.batch_size + i) % len(items)] for i in range(args.batch_size)]
         prompts = [it.prompt for it in picks]
         gens = [make_generator(cfg.seed, "bench", rep, b, i) for i in range(args.batch_size)]
-        traj = sample_trajectories(policy, policy.transformer, prompts, policy.encode_prompts(prompts), h, w,
-                                   num_steps=num_steps, guidance=cfg.sample.guidance_scale,
-                                   noise_level=cfg.sample.noise_level, noise_steps=noise_steps,
-                                   train_steps=[t for t in cfg.train_timesteps if t < num_steps], generators=gens)
+        traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+            prompts=prompts, embeds=policy.encode_prompts(prompts), height=h, width=w, generators=gens,
+            noise_steps=noise_steps, train_steps=[t for t in cfg.train_timesteps if t < num_steps]))
         return traj.images, prompts, [it.metadata for it in picks]
 
     def measure(url: str, batches: int, judge_stats: str | None = None) -> dict[str, list[dict]]:

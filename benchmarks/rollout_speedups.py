@@ -71,8 +71,7 @@ def sampling(args) -> dict:
         names = names[rep % len(names):] + names[:rep % len(names)]  # each variant goes first once in a while
         for name in names:
             cfg = cfgs[name]
-            ro = Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps,
-                          share_prefix=cfg.sample.share_prefix)
+            ro = Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), share_prefix=True)
             out = []
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -117,7 +116,7 @@ def rollout_batches(args) -> dict:
     policy = load_policy(args, device)
     cfg = load_config(REPO / "configs" / "flux_t2is.yaml", TINY_DATA + [
         f"sample.num_steps={args.steps}", "sample.noise_steps=[1]", "sample.share_prefix=false"])
-    ro = Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps)
+    ro = Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True))
     picks = [Pick(PromptItem(PROMPTS[i % len(PROMPTS)]), i, i) for i in range(args.images)]
     sizes = args.batches
     times: dict[int, list[float]] = {b: [] for b in sizes}

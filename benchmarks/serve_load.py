@@ -24,7 +24,7 @@ from PIL import Image
 
 from _common import JUDGE, RESULTS, machine, tiny_judge, write_report  # puts the repository on sys.path
 from paco_ds.rewards.consistency import PAIR_TEMPLATE_V1, data_uri
-from paco_ds.serving.config import API_KEY_ENV
+from paco_ds.recipe.servers import API_KEY_ENV
 
 
 def _requests(n: int, size: int, seed: int) -> list[list[dict]]:

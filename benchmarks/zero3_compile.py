@@ -10,7 +10,7 @@ per rank), timed as a whole, in four ways, interleaved over `--reps` (the machin
                   all-gather and release every module's parameters around it;
   once_hooks      the parameters gathered once for the phase with DeepSpeed's hooks still on every
                   module (what the gathered phase did before its hooks were lifted);
-  once            deepspeed.rollout_gather: once (`paco_ds.engine.gathered_for_phase`): gathered once,
+  once            deepspeed.rollout_gather: once (`paco_ds.runtime.engine.gathered_for_phase`): gathered once,
                   DeepSpeed's hooks lifted, eager;
   once_compiled   the same with the compiled blocks (`model.compile`: compile_blocks(gathered_phases_only)
                   and compiled_while_gathered), after a warm-up phase that holds the compile.
@@ -62,9 +62,9 @@ def worker(args) -> None:
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from diffusers import FluxTransformer2DModel
 
-    from paco_ds import engine as engines
-    from paco_ds.config import LoraConfig
-    from paco_ds.distributed import setup_distributed
+    from paco_ds.runtime import engine as engines
+    from paco_ds.recipe.schema import LoraConfig
+    from paco_ds.runtime.distributed import setup_distributed
     from paco_ds.models.compile import compile_blocks, compiled_while_gathered
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora

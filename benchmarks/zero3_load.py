@@ -9,7 +9,7 @@ ranks with the deepspeed launcher (CPU, gloo), which do what the trainer does:
                only by deepspeed.initialize;
   partitioned  FluxPolicy.load(cfg, device, ds_config=ZeRO-3): built under zero.Init, weights
                streamed tensor by tensor into the partitions (paco_ds/models/zero_load.py);
-then add_lora (the recipe's LoRA, rank 64) and paco_ds.engine.create_engine (deepspeed.initialize).
+then add_lora (the recipe's LoRA, rank 64) and paco_ds.runtime.engine.create_engine (deepspeed.initialize).
 
 Memory per rank, from /proc/self/status: the kernel's high-water mark VmHWM is reset through
 /proc/self/clear_refs after the imports, so "peak" is the highest resident set (anonymous memory
@@ -75,9 +75,9 @@ def worker(args) -> None:
     import torch
     import transformers  # noqa: F401
 
-    from paco_ds.config import LoraConfig, ModelConfig
-    from paco_ds.distributed import setup_distributed, shutdown_distributed
-    from paco_ds.engine import build_ds_config, create_engine, load_ds_config
+    from paco_ds.recipe.schema import LoraConfig, ModelConfig
+    from paco_ds.runtime.distributed import setup_distributed, shutdown_distributed
+    from paco_ds.runtime.engine import build_ds_config, create_engine, load_ds_config
     from paco_ds.models.flux import FluxPolicy
     from paco_ds.models.lora import add_lora
 

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paco_ds.errors import exit_on_user_error  # noqa: E402
-from paco_ds.recipe import add_recipe_arguments  # noqa: E402
+from paco_ds.recipe.loader import add_recipe_arguments  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -28,7 +28,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with exit_on_user_error("cluster"):
-        from paco_ds.cluster import main as run
+        from paco_ds.launchers.cluster import main as run
 
         code = run(args.hostfile, args.config, args.overrides, args.dry_run, args.resume, args.master_port,
                    gpu_memory=args.gpu_memory)

@@ -34,7 +34,7 @@ def parse_args(argv=None):
     r.add_argument("--max-new-items", type=int, default=None, help="score at most N more items, then stop")
     r.add_argument("--worst", type=int, default=8, help="items on worst.html")
     pol = sub.add_parser("policy", help="base against trained LoRA on the recipe's test prompts")
-    from paco_ds.recipe import add_recipe_arguments
+    from paco_ds.recipe.loader import add_recipe_arguments
 
     add_recipe_arguments(pol)
     src = pol.add_mutually_exclusive_group()

@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paco_ds.errors import UserError, exit_on_user_error, run_entry_point  # noqa: E402
-from paco_ds.recipe import add_recipe_arguments  # noqa: E402
+from paco_ds.recipe.loader import add_recipe_arguments  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,7 +50,7 @@ def main(argv=None):
 
                 print_plan(cfg, world, args.gpu_memory)
             if args.resume:  # the checkpoint a run would resume, verified as the run will
-                from paco_ds.checkpoint import CheckpointManager
+                from paco_ds.runtime.checkpoint import CheckpointManager
 
                 from paco_ds.grpo.preflight import check_resume
 

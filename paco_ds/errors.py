@@ -9,7 +9,7 @@ configured `kernels.backend` cannot run here (e.g. 'cpp' on GPU tensors, 'triton
 `exit_on_user_error` reports it as the config error it is.
 
 In a multi-process run, a rank whose collective lost a peer that failed (and printed its own
-line) says so in one line too (paco_ds.distributed.exit_after_peer), not in a traceback.
+line) says so in one line too (paco_ds.runtime.distributed.exit_after_peer), not in a traceback.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def exit_on_user_error(prog: str = "paco_ds") -> Iterator[None]:
             raise
         _exit(prog, f"config key 'kernels.backend': {err}", ConfigError.exit_code)
     except RuntimeError as err:  # a collective whose other rank failed (and said why) first
-        dist = sys.modules.get("paco_ds.distributed")
+        dist = sys.modules.get("paco_ds.runtime.distributed")
         if dist is None or dist.peer_gone(err) is None:
             raise
         dist.exit_after_peer(prog, err)

@@ -215,7 +215,7 @@ def check_advantages(backend, log_tame, global_std, device="cpu", seed=0):
     """The fused advantage op (aggregation included) against the StatTracker (paco_ds/grpo/advantages.py),
     which aggregates in torch and normalises through the op's torch version on CPU."""
     import kernels
-    from paco_ds.config import AdvantageConfig, AggregationConfig
+    from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
     from paco_ds.grpo.advantages import StatTracker
 
     require_backend("grpo_advantages", backend, device)

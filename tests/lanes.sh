@@ -10,7 +10,7 @@
 # skips it allows (the Makefile's SKIP_POLICY; tests/conftest.py), so a lane whose tests all skipped fails.
 # Environment: LANES (the lanes, in order), MAKE (the make to run them with, default make), LANES_OUT (the
 # folder for lanes.json and side-venvs.log, default build), PACO_LANES_UID (the user id to judge root
-# by, default `id -u`: tests/test_lanes.py plays a user without root with it).
+# by, default `id -u`: tests/lanes/test_lanes.py plays a user without root with it).
 set -u
 cd "$(dirname "$0")/.."
 LANES=${LANES:-test test-runs test-vllm test-stop test-plan test-triton36 test-cluster test-slurm}

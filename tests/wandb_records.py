@@ -13,7 +13,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from paco_ds.metrics import WANDB_SERVICES
+from paco_ds.runtime.metrics import WANDB_SERVICES
 
 BLOCK = 32768
 HEADER = 7

@@ -12,7 +12,7 @@ from typing import Any
 
 from paco_ds.errors import DataError
 from paco_ds.data.records import MAX_IMAGE_SIDE, check_text, positive_int as _positive_int, read_jsonl
-from paco_ds.recipe import read_text_utf8
+from paco_ds.recipe.loader import read_text_utf8
 
 @dataclass
 class PromptItem:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from paco_ds.errors import DataError
-from paco_ds.recipe import read_text_utf8
+from paco_ds.recipe.loader import read_text_utf8
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, Any]]:

@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None, out: str | None = None,
                     base: bool = True) -> dict | None:
     """Base and trained on the recipe's test prompts; a table on stdout and files in `out`."""
-    from paco_ds.checkpoint import CheckpointManager
-    from paco_ds.distributed import barrier, setup_distributed, shutdown_distributed
+    from paco_ds.runtime.checkpoint import CheckpointManager
+    from paco_ds.runtime.distributed import barrier, setup_distributed, shutdown_distributed
     from paco_ds.errors import ConfigError
     from paco_ds.serving.manager import started_for_run
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.sampling.solver import plan_for
 
 GiB = 2 ** 30
@@ -114,6 +114,8 @@ def _pass_config(cfg: Config) -> tuple[Config, int]:
             update["train"] = cfg.train.model_copy(update={"timesteps": [first]})
     if not _fused_ops_run_fake(cfg.kernels.backend):
         update["kernels"] = cfg.kernels.model_copy(update={"backend": "torch"})
+    if cfg.model.compile:  # the compiled blocks do the eager blocks' arithmetic: nothing to compile on fake tensors
+        update["model"] = cfg.model.model_copy(update={"compile": False})
     return cfg.model_copy(update=update), steps
 
 
@@ -143,18 +145,19 @@ def _zero(ds: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the pass
-def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> GpuPlan:
-    """Run the fake-CUDA pass for `cfg` and account one rank of `world_size` with `gpu_gib` GiB.
-    `inject(name, fn) -> fn` may wrap the SDE step (tests put a host tensor into its inputs)."""
-    from paco_ds.dtypes import resolve_dtype
-    from paco_ds.engine import load_ds_config
-    from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
+def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
+    """Run the fake-CUDA pass for `cfg` and account one rank of `world_size` with `gpu_gib` GiB. The
+    policy, the loss and the rollouts are the trainer's own (paco_ds/grpo/build.py), built from the
+    full-size model on the fake device (source.py)."""
+    from paco_ds.grpo import build
     from paco_ds.grpo.losses import build_loss
-    from paco_ds.grpo.plan import derive
-    from paco_ds.sampling.rollouts import Pick, Rollouts
+    from paco_ds.gpu_plan.fake import FakeCuda
+    from paco_ds.gpu_plan.source import FullSizeOnFakeCuda
     from paco_ds.models import policy_class
     from paco_ds.models.full_size import count
-    from paco_ds.models.lora import add_lora
+    from paco_ds.runtime.dtypes import resolve_dtype
+    from paco_ds.runtime.engine import gathers_per_step, load_ds_config
+    from paco_ds.sampling.rollouts import Pick
     from paco_ds.sampling.trajectory import training_batch
 
     t0 = time.perf_counter()
@@ -170,47 +173,28 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     dtype = resolve_dtype(cfg.model.dtype, device)
     family = cfg.model.family
     policy_cls = policy_class(family)
-    full = getattr(policy_cls, "full_size", None)
-    if full is None:
+    if getattr(policy_cls, "full_size", None) is None:
         raise ValueError(f"{policy_cls.__name__} describes no full-size model (its `full_size`)")
     mode = FakeCuda()
     notes: list[str] = list(notes_kernels)
 
-    # The transformer with the recipe's LoRA, as the trainer builds it (add_lora on the real module).
-    transformer = full.transformer()
-    add_lora(transformer, cfg.model.lora)
-    to_fake_cuda(mode, transformer, dtype)
+    # The policy as the trainer builds it: the recipe's LoRA, attention backend and gradient
+    # checkpointing on the full-size transformer, the frozen parts on the fake device in the dtypes
+    # the policy holds them in; then the adapted transformer on the device.
+    source = FullSizeOnFakeCuda(mode)
+    policy = build.adapted_policy(run_cfg, device, {}, source)
+    source.place_adapted(policy.transformer, dtype)
+    transformer = policy.transformer
     lora = [p for p in transformer.parameters() if p.requires_grad]
     base = [p for p in transformer.parameters() if not p.requires_grad]
-    with mode.tagged("lora"):
-        for p in lora:
-            mode._track(p)
-    mode.track_module(transformer, "transformer")
-    if cfg.model.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-
-    # The policy's other components (VAE, text encoders) on fake CUDA in the dtypes it keeps them in.
-    parts = full.components(cfg.model)
-    for name, m in parts.items():
-        if isinstance(m, torch.nn.Module):
-            to_fake_cuda(mode, m, torch.float32 if name in full.fp32 else dtype)
-            mode.track_module(m, "vae" if name == "vae" else "text encoders")
-    # Built under the mode: SD3's constructor encodes the empty negative prompt on the device.
-    with mode:
-        policy = policy_cls(transformer=transformer, device=device, dtype=dtype, **parts)
     encoders = policy.text_encoders()
 
     loss = build_loss(run_cfg, policy)
     # as the trainer: a loss may keep weights of its own (DiffusionNFT's old policy, AWM's anchor)
     with mode:
-        loss.setup([p for p in transformer.parameters() if p.requires_grad])
-    if inject is not None:
-        loss.sde = inject("sde_step", loss.sde)
-        if hasattr(loss, "log_prob"):
-            loss.log_prob.keywords["sde_fn"] = loss.sde
-    # the trainer's own rollout code, without an engine
-    rollouts = Rollouts(run_cfg, policy, loss.sde, train_timesteps=derive(run_cfg, world_size).train_timesteps,
-                        needs=loss.needs)
+        loss.setup(lora)
+    # the trainer's own rollouts, without an engine: the transformer samples (gathered, under ZeRO-3)
+    rollouts = build.rollouts(run_cfg, policy, loss, None, {})
 
     counter = _Counter(mode)
     for name in ("encode_prompts", "encode_condition", "velocity", "decode"):
@@ -244,9 +228,8 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
             # On fake "meta" tensors: autograd needs a real CUDA context for CUDA tensors.
             from paco_ds.gpu_plan.fake import move_fake
 
-            mode.device = policy.device = torch.device("meta")
-            if hasattr(policy, "_negative_here"):
-                policy._negative_here = None  # SD3's device copy of its negative prompt, made again there
+            mode.device = torch.device("meta")
+            policy.to_device(mode.device)  # what the policy copied to "cuda" (CFG's negative prompt) is copied again
             move_fake(mode, transformer, mode.device)
             lora = [p for p in transformer.parameters() if p.requires_grad]
             transformer.train()
@@ -283,7 +266,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float, *, inject=None) -> Gp
     live = min(float(zero.get("stage3_max_live_parameters", 1e9)), n_base + n_lora) * el if stage == 3 else 0
     bucket = min(float(zero.get("reduce_bucket_size", 5e8)), n_lora) * el
     gathered = (n_base + n_lora) * el - base_bytes - lora_bytes if stage == 3 else 0
-    rollout_once = cfg.deepspeed.rollout_gather == "once"
+    rollout_once = not gathers_per_step(cfg)
 
     def frozen(live: dict) -> dict:
         return {"text encoders": live.get("text encoders", 0), "VAE": live.get("vae", 0),

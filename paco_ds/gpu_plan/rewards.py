@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.gpu_plan.fake import FakeCuda, to_fake_cuda
 from paco_ds.models.full_size import count
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from paco_ds.config import AdvantageConfig, AggregationConfig
+from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
 from paco_ds.rewards.aggregate import aggregate, group_normalize
 
 ZERO_STD = 1e-5  # a group whose std is below this carries no learning signal
@@ -48,7 +48,7 @@ class EpochRewards:
         """Collective: each rank's samples (their epoch positions, groups and rewards), sorted by
         position, so that a group's statistics do not depend on which rank sampled what.
         `applicable`: per reward, which samples it applies to (None: all)."""
-        from paco_ds.distributed import all_gather_object
+        from paco_ds.runtime.distributed import all_gather_object
 
         applicable = applicable if applicable is not None else {n: np.ones(len(positions), bool) for n in scores}
         everyone = all_gather_object({"positions": positions, "groups": groups, "valid": valid, "scores": scores,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem, load_prompts
-from paco_ds.distributed import DistInfo
-from paco_ds.dtypes import resolve_dtype
-from paco_ds.engine import build_ds_config, load_ds_config, zero_stage
+from paco_ds.runtime.distributed import DistInfo
+from paco_ds.runtime.dtypes import resolve_dtype
+from paco_ds.runtime.engine import build_ds_config, gathers_per_step, load_ds_config, zero_stage
 from paco_ds.grpo.plan import EpochPlan
 from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy
@@ -37,11 +37,13 @@ def ds_config(cfg: Config, plan: EpochPlan, dist: DistInfo) -> dict:
         overrides=cfg.deepspeed.overrides)
 
 
-def adapted_policy(cfg: Config, device: torch.device, ds: dict):
+def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None):
     """The policy with the recipe's LoRA: frozen encoders/VAE per rank; the transformer goes into the
-    engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer."""
+    engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer. `source`
+    (a paco_ds.models.base.ModelSource): where the modules come from when not the recipe's checkpoint
+    or tiny twin (the GPU plan's full-size model on a fake device, paco_ds/gpu_plan/source.py)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
-    policy = build_policy(cfg.model, device, ds)
+    policy = build_policy(cfg.model, device, ds, source)
     add_lora(policy.transformer, cfg.model.lora)
     set_attention_backend(policy.transformer, cfg.model.attention_backend)  # checked at start-up (run.py)
     if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
@@ -63,12 +65,11 @@ def rewards(cfg: Config, dist: DistInfo) -> tuple[RewardRunner, RewardRunner]:
     return train, test
 
 
-def rollouts(cfg: Config, plan: EpochPlan, policy, loss, engine, ds: dict) -> Rollouts:
-    """Rollouts sample with the loss's SDE step, through the engine (or the transformer gathered once).
-    A shared group prefix makes ranks run different numbers of forwards: only where a forward needs
-    no collective (ZeRO-3 gathers per step under rollout_gather=per_step)."""
-    per_step_gather = zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "per_step"
-    return Rollouts(cfg, policy, loss.sde, module=engine,
-                    gather_once=zero_stage(ds) == 3 and cfg.deepspeed.rollout_gather == "once",
-                    train_timesteps=plan.train_timesteps, needs=loss.needs,
-                    share_prefix=cfg.sample.share_prefix and not per_step_gather)
+def rollouts(cfg: Config, policy, loss, engine, ds: dict) -> Rollouts:
+    """Rollouts sample with the loss's SDE step and keep what the loss needs, through the engine (or,
+    under ZeRO-3, the transformer gathered once per sampling phase). A shared group prefix makes
+    ranks run different numbers of forwards: only where a forward needs no collective (not where
+    ZeRO-3 gathers in every forward, `gathers_per_step`)."""
+    per_step = gathers_per_step(cfg)
+    return Rollouts(cfg, policy, loss.sde, module=engine, gather_once=zero_stage(ds) == 3 and not per_step,
+                    needs=loss.needs, share_prefix=not per_step)

@@ -15,10 +15,10 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from paco_ds import stopping
-from paco_ds.config import Config
+from paco_ds.runtime import stopping
+from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem
-from paco_ds.distributed import DistInfo, all_gather_object
+from paco_ds.runtime.distributed import DistInfo, all_gather_object
 from paco_ds.sampling.rollouts import Pick, Rollouts
 from paco_ds.images import make_grid, to_pil
 from paco_ds.rewards.runner import RewardRunner

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.errors import UserError
 
 ADAPTER = "default"
@@ -71,7 +71,7 @@ def export_adapter(policy, trainable: list[torch.nn.Parameter], ema, zero3: bool
     ZeRO-3 (the adapter is gathered)."""
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from paco_ds.distributed import barrier
+    from paco_ds.runtime.distributed import barrier
     from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 
     with ema.swapped_in() if ema is not None else contextlib.nullcontext(), \

@@ -1,6 +1,6 @@
 """A GRPO recipe, loaded and planned for a world size.
 
-`load_config` validates a recipe against the schema (paco_ds/config.py) and the registries above
+`load_config` validates a recipe against the schema (paco_ds/recipe/schema.py) and the registries above
 it: model families (paco_ds/models), losses (paco_ds/grpo/losses/), rewards and aggregations,
 so a name without an implementation is one line and exit 2 at load and in `--dry-run`.
 `derive` is the batch arithmetic of an epoch for the real world size; `check_recipe` and
@@ -14,21 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.data import load_prompts
 from paco_ds.errors import ConfigError
-from paco_ds.recipe import load_recipe
+from paco_ds.recipe.loader import load_recipe
 
 
-def registries() -> dict[str, list[str]]:
-    """The names a GRPO recipe may use, for the schema's validators."""
+def registries() -> dict:
+    """The names a GRPO recipe may use, for the schema's validators, and the check of the judge
+    servers' attention implementation (the schema names no model code)."""
     from paco_ds.grpo.losses import LOSSES
     from paco_ds.models import POLICIES
     from paco_ds.rewards.aggregate import BUILTIN
     from paco_ds.rewards.registry import REWARDS
+    from paco_ds.serving.config import servers_context
 
     return {"policies": list(POLICIES), "losses": list(LOSSES), "rewards": list(REWARDS),
-            "aggregations": list(BUILTIN)}
+            "aggregations": list(BUILTIN), **servers_context()}
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -43,7 +45,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 def grpo_schema(data: dict) -> type[Config]:
     """The schema of a merged recipe: Config with the losses' own sections (the built-in ones, and
     the recipe's own loss when train.loss is an import path)."""
-    from paco_ds.config import compose_schema
+    from paco_ds.recipe.schema import compose_schema
     from paco_ds.grpo.losses import DEFAULT_LOSS, loss_sections
 
     train = data.get("train")
@@ -180,10 +182,10 @@ def rollout_line(cfg: Config) -> str:
         out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
     head = ode_stretches(cfg)[:1]
     if s.same_latent and s.share_prefix and head and head[0][0] == 0:
-        from paco_ds.engine import recipe_zero_stage
+        from paco_ds.runtime.engine import gathers_per_step
 
-        if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
-            # the trainer turns the sharing off there: each step gathers its own parameters (trainer.py)
+        if gathers_per_step(cfg):
+            # the trainer turns the sharing off there: each step gathers its own parameters (build.py)
             out += "; sample.share_prefix is off under deepspeed.rollout_gather: per_step (ZeRO-3)"
         else:
             out += "; a group's steps before its first SDE step once per rank (sample.share_prefix)"

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from paco_ds import stopping
-from paco_ds.checkpoint import CheckpointManager, rng_state
-from paco_ds.distributed import any_true
+from paco_ds.runtime import stopping
+from paco_ds.runtime.checkpoint import CheckpointManager, rng_state
+from paco_ds.runtime.distributed import any_true
 from paco_ds.grpo.epoch import EpochProgress
 
 

@@ -10,19 +10,19 @@ exists:
 - a reward or loss named by import path ("module:Class") imports (a policy's is imported at load);
 - the DeepSpeed config file exists and is JSON;
 - the output directory can be created and written (probed with a temporary file, removed);
-- `--resume DIR`/`latest` names an intact checkpoint (paco_ds/checkpoint.py verifies its files).
+- `--resume DIR`/`latest` names an intact checkpoint (paco_ds/runtime/checkpoint.py verifies its files).
 
 Data layouts (T2IS `RxC`), non-UTF-8 files and non-finite reward weights are checked where they
-are read (paco_ds/data, paco_ds/recipe.py, paco_ds/config.py).
+are read (paco_ds/data, paco_ds/recipe/loader.py, paco_ds/recipe/schema.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.errors import ConfigError, DataError
-from paco_ds.metrics import check_wandb
-from paco_ds.storage import check_writable
+from paco_ds.runtime.metrics import check_wandb
+from paco_ds.runtime.storage import check_writable
 
 
 def check_sizes(cfg: Config, items: list, key: str) -> None:
@@ -110,7 +110,7 @@ def unjudged_records(cfg: Config, train_items: list, test_items: list | None) ->
     return lines
 
 
-# Recorded in each checkpoint (meta.json 'recipe') and compared on resume (paco_ds/resume_settings.py).
+# Recorded in each checkpoint (meta.json 'recipe') and compared on resume (paco_ds/recipe/resume.py).
 # A change of these makes the resumed run another run (tensors of another shape, another loss's state,
 # another model or reward): refused unless --allow-changed names it.
 RESUME_MUST_MATCH = ("model.family", "model.path", "model.tiny", "model.lora.rank", "model.lora.alpha",
@@ -124,7 +124,7 @@ RESUME_NOTED = ("train.num_epochs", "train.learning_rate", "train.max_grad_norm"
 def resume_settings(cfg: Config) -> dict:
     """The recipe values a GRPO checkpoint records: RESUME_MUST_MATCH and RESUME_NOTED, the rewards
     as their identity (each name with its arguments) apart from their weights."""
-    from paco_ds.resume_settings import recorded
+    from paco_ds.recipe.resume import recorded
 
     out = recorded(cfg.model_dump(mode="json"), [k for k in RESUME_MUST_MATCH + RESUME_NOTED
                                                  if not k.startswith("rewards.")])
@@ -136,7 +136,7 @@ def resume_settings(cfg: Config) -> dict:
 def check_resume(cfg: Config, path: Path, allowed: tuple[str, ...] = ()) -> str:
     """Before anything loads: one line naming a key that must not change (exit 2), else the changed
     settings a resume will use ('' if none). A checkpoint that records no recipe is not compared."""
-    from paco_ds.resume_settings import compare, saved_recipe
+    from paco_ds.recipe.resume import compare, saved_recipe
 
     saved = saved_recipe(path)
     if not saved:
@@ -168,13 +168,12 @@ def check_compile(cfg: Config) -> None:
     ZeRO-3's training steps (paco_ds/models/compile.py)."""
     if not (cfg.model.compile or cfg.deepspeed.engine_compile):
         return
-    from paco_ds.engine import recipe_zero_stage
+    from paco_ds.runtime.engine import gathers_per_step, recipe_zero_stage
     from paco_ds.models.compile import ENGINE_COMPILE_REFUSAL, ZERO3_PER_STEP_REFUSAL
 
-    zero3 = recipe_zero_stage(cfg) == 3
-    if cfg.model.compile and zero3 and cfg.deepspeed.rollout_gather == "per_step":
+    if cfg.model.compile and gathers_per_step(cfg):
         raise ConfigError(ZERO3_PER_STEP_REFUSAL)
-    if cfg.deepspeed.engine_compile and not zero3:
+    if cfg.deepspeed.engine_compile and recipe_zero_stage(cfg) != 3:
         raise ConfigError(ENGINE_COMPILE_REFUSAL)
 
 
@@ -183,9 +182,9 @@ def check_tree(cfg: Config) -> None:
     leaves need): only where a forward needs no collective, as the shared group prefix."""
     if cfg.sample.tree is None:
         return
-    from paco_ds.engine import recipe_zero_stage
+    from paco_ds.runtime.engine import gathers_per_step
 
-    if recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step":
+    if gathers_per_step(cfg):
         raise ConfigError("config key 'sample.tree': needs deepspeed.rollout_gather: once under ZeRO stage 3 (per-step "
                           "gathering is a collective in every forward, and ranks compute different numbers of nodes)")
 
@@ -203,15 +202,16 @@ def check_sequence_length(cfg: Config) -> None:
     """model.max_sequence_length within what the family's text encoder reads."""
     from paco_ds.models import policy_class
 
-    limit = policy_class(cfg.model.family).sequence_length_limit(cfg.model.tiny)
+    policy = policy_class(cfg.model.family)
+    limit = policy.sequence_length_limit(cfg.model.tiny)
     if limit is not None and cfg.model.max_sequence_length is not None and cfg.model.max_sequence_length > limit:
-        which = "the tiny twin of " if cfg.model.tiny else ""
+        which = "the tiny twin of " if limit != policy.max_sequence_length_limit else ""
         raise ConfigError(f"config key 'model.max_sequence_length': at most {limit} for {which}model.family "
-                          f"'{cfg.model.family}' (its text encoder's positions), got {cfg.model.max_sequence_length}")
+                          f"'{cfg.model.family}', got {cfg.model.max_sequence_length}")
 
 
 def check_deepspeed_config(cfg: Config) -> None:
-    from paco_ds.engine import load_ds_config
+    from paco_ds.runtime.engine import load_ds_config
 
     load_ds_config(cfg.resolve_path(cfg.deepspeed.config))
 

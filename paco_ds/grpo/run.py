@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from paco_ds import stopping
-from paco_ds.checkpoint import CheckpointManager
-from paco_ds.config import Config
-from paco_ds.distributed import setup_distributed, shutdown_distributed
+from paco_ds.runtime import stopping
+from paco_ds.runtime.checkpoint import CheckpointManager
+from paco_ds.recipe.schema import Config
+from paco_ds.runtime.distributed import setup_distributed, shutdown_distributed
 from paco_ds.grpo.trainer import GRPOTrainer
 from paco_ds.serving.manager import started_for_run
 
@@ -27,7 +27,7 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     # Before anything starts or is written (paco_ds/grpo/preflight.py): the recipe and its data,
     # the checkpoint to resume (verified), then the run directory's lock, held for the whole run.
     from paco_ds.grpo.plan import check_recipe
-    from paco_ds.runlock import fit_in_run_dir
+    from paco_ds.runtime.runlock import fit_in_run_dir
 
     check_recipe(cfg, dist.world_size)
     check_device_choices(cfg, dist.device)
@@ -62,7 +62,7 @@ def _export_only(cfg: Config, spec: str | Path) -> None:
     import os
 
     from paco_ds.grpo.export import export_from_checkpoint
-    from paco_ds.runlock import RunLock
+    from paco_ds.runtime.runlock import RunLock
 
     if int(os.environ.get("RANK", "0")) != 0:
         return

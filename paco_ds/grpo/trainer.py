@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from paco_ds import stopping
-from paco_ds.checkpoint import CheckpointManager
-from paco_ds.config import Config
+from paco_ds.runtime import stopping
+from paco_ds.runtime.checkpoint import CheckpointManager
+from paco_ds.recipe.schema import Config
 from paco_ds.data import KRepeatSampler
-from paco_ds.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
-from paco_ds.engine import create_engine, zero_stage
+from paco_ds.runtime.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
+from paco_ds.runtime.engine import create_engine, zero_stage
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
@@ -46,8 +46,8 @@ from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
 from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import make_grid, to_pil
-from paco_ds.metrics import MetricsLogger, own_wandb_run
-from paco_ds.recipe import recipe_to_yaml
+from paco_ds.runtime.metrics import MetricsLogger, own_wandb_run
+from paco_ds.recipe.loader import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
 from paco_ds.sampling.trajectory import TrainingBatch, make_generator
 from paco_ds.sampling.window import window_start
@@ -81,7 +81,7 @@ class GRPOTrainer:
         self.train_rewards, self.eval_rewards = build.rewards(cfg, dist)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
-        self.rollouts = build.rollouts(cfg, self.plan, self.policy, self.loss, self.engine, self.ds_config)
+        self.rollouts = build.rollouts(cfg, self.policy, self.loss, self.engine, self.ds_config)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.preemption = Preemption(self.ckpt, self.engine, self.trainable, self.loss, self.state, self._meta,
                                      zero3=zero_stage(self.ds_config) == 3, device=dist.device, run_dir=self.run_dir,
@@ -182,7 +182,7 @@ class GRPOTrainer:
         export_adapter(self.policy, self.trainable, self.ema, zero_stage(self.ds_config) == 3, self.run_dir / "lora",
                        self.dist.is_main)
         if self.dist.is_main:
-            from paco_ds.report import write_report
+            from paco_ds.report.page import write_report
 
             report = write_report(self.run_dir)
             print(f"report: {report}", flush=True)

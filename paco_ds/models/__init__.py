@@ -7,7 +7,7 @@ outside paco_ds is named by its import path, `model.family: mypackage.module:MyP
 """
 from __future__ import annotations
 
-from paco_ds.recipe import resolve
+from paco_ds.recipe.loader import resolve
 
 POLICIES: dict[str, str] = {
     "flux": "paco_ds.models.flux:FluxPolicy",
@@ -39,7 +39,9 @@ def with_family_defaults(model_cfg):
     return model_cfg.model_copy(update=update) if update else model_cfg
 
 
-def build_policy(model_cfg, device, ds_config: dict | None = None):
-    """Load the recipe's policy. With a ZeRO-3 `ds_config` the transformer is built partitioned."""
+def build_policy(model_cfg, device, ds_config: dict | None = None, source=None):
+    """Load the recipe's policy. With a ZeRO-3 `ds_config` the transformer is built partitioned;
+    `source` (a models.base.ModelSource): where the modules come from, when not the recipe's
+    checkpoint or tiny twin (the GPU plan's full-size model on a fake device)."""
     model_cfg = with_family_defaults(model_cfg)
-    return policy_class(model_cfg.family).load(model_cfg, device, ds_config=ds_config)
+    return policy_class(model_cfg.family).load(model_cfg, device, ds_config=ds_config, source=source)

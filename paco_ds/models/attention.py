@@ -22,7 +22,7 @@ the same way by `check_attn_implementation`:
 from __future__ import annotations
 
 from paco_ds.errors import ConfigError
-from paco_ds.recipe import suggest
+from paco_ds.recipe.loader import suggest
 
 KEY = "model.attention_backend"
 # The backends that run on a CPU device (the tiny recipes, the tests); every other one needs CUDA.

@@ -7,9 +7,11 @@ it is given (the bare transformer, or the DeepSpeed engine that wraps it), and d
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
 from torch import nn
@@ -18,7 +20,78 @@ from paco_ds.models.full_size import FullSize
 from paco_ds.models.schedule import ShiftConfig, flux_sigmas
 
 if TYPE_CHECKING:
-    from paco_ds.config import ModelConfig, TinyModelConfig
+    from paco_ds.recipe.schema import ModelConfig, TinyModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def revision_kwargs(revision: str | None) -> dict:
+    """`from_pretrained`'s keyword for a checkpoint revision (none: the library's default branch)."""
+    return {"revision": revision} if revision else {}
+
+
+def import_class(path: str):
+    """'library:Name' (diffusers, transformers, or any module) -> the class."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A component of a family's checkpoint, loaded by its class (`library:Class`) from the subfolder
+    named like the component. `dtype`: "model" (the recipe's model dtype), "fp32" (loaded and kept in
+    fp32 whatever the model dtype is), or None (no weights: a tokenizer or processor). A part with
+    weights is frozen: no gradients, eval mode, held on the policy's device (`Policy.hold_frozen`)."""
+
+    cls: str
+    dtype: Literal["model", "fp32"] | None = "model"
+    # Classes of the same library the checkpoint may hold instead: the one its subfolder's config
+    # names (`_class_name`) is loaded, and any other is refused (SD3's VAE: AutoencoderKL or TAESD3's
+    # AutoencoderTiny, which decodes the same latents).
+    choices: tuple[str, ...] = ()
+
+    def load(self, path: str, subfolder: str, dtype: torch.dtype, kw: dict):
+        klass = import_class(self.cls)
+        if self.choices:
+            library, _, default = self.cls.partition(":")
+            named = klass.load_config(path, subfolder=subfolder, **kw).get("_class_name", default)
+            if named not in self.choices:
+                raise ValueError(f"{path}/{subfolder}: {named} is not one of {', '.join(self.choices)}")
+            klass = import_class(f"{library}:{named}")
+        if self.dtype is None:
+            return klass.from_pretrained(path, subfolder=subfolder, **kw)
+        key = "torch_dtype" if self.cls.startswith("diffusers:") else "dtype"
+        return klass.from_pretrained(path, subfolder=subfolder, **{key: self.torch_dtype(dtype)}, **kw)
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.dtype == "fp32" else model_dtype
+
+
+class ModelSource:
+    """Where a policy's modules come from, and where its transformer is placed: the recipe's
+    checkpoint (or its tiny twin, `model.tiny`) here; the GPU plan's full-size model on a fake
+    device is another source (paco_ds/gpu_plan/source.py), so the plan builds its policy through the
+    trainer's own functions."""
+
+    def parts(self, policy_cls: type["Policy"], cfg: "ModelConfig", dtype: torch.dtype,
+              ds_config: dict | None) -> dict:
+        """The constructor's components, its options (`Policy.options`) aside."""
+        if cfg.tiny:
+            return policy_cls.tiny_parts(cfg.tiny_spec)
+        return policy_cls.from_pretrained(cfg.path or policy_cls.default_path, cfg.revision, dtype, ds_config=ds_config)
+
+    def place(self, transformer: nn.Module, device: torch.device, dtype: torch.dtype, cfg: "ModelConfig",
+              ds_config: dict | None) -> None:
+        """The transformer onto the policy's device. Under ZeRO-3 a loaded one is already partitioned
+        there (zero_load.py); the tiny one is always built whole."""
+        from paco_ds.models.zero_load import is_zero3
+
+        if not is_zero3(ds_config) or cfg.tiny:
+            move_module(transformer, device, dtype)
+
+    def constructing(self) -> contextlib.AbstractContextManager:
+        """What the policy's constructor runs under (a constructor may encode a prompt on the device)."""
+        return contextlib.nullcontext()
 
 
 def _opt(x, fn):
@@ -91,6 +164,18 @@ class Condition:
         return Condition([im for c in items for im in c.images], latents, items[0].size)
 
 
+# The attention projections of both streams of a double-stream (MMDiT) block in diffusers' names, in
+# the order PaCo-RL lists them (scripts/train_flux.py in github.com/X-GenGroup/PaCo-RL): FLUX.1's and
+# Qwen-Image's LoRA targets start with them and add their own MLP names.
+DOUBLE_STREAM_ATTENTION = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+                           "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out")
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """A VAE's [-1, 1] output -> uint8 images on the CPU."""
+    return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] latents -> [B, H/2 * W/2, 4C] tokens of 2x2 patches (FLUX and Qwen-Image)."""
     b, c, h, w = latents.shape
@@ -139,6 +224,26 @@ class Policy(ABC):
     max_sequence_length_limit: int | None = None
     tiny_max_sequence_length_limit: int | None = None
 
+    # ------------------------------------------------------------------ what a family declares
+    # The checkpoint's transformer class ('diffusers:Name'), loaded partitioned under ZeRO-3, and its
+    # other parts (component name = subfolder -> Part); every part with weights is frozen and held
+    # on the device by `hold_frozen`. A family loads anything else (a flag of model_index.json, a
+    # class the folder names) in `checkpoint_extras`.
+    transformer_class: str = ""
+    parts: dict[str, Part] = {}
+    # The offline tiny twin's builder, 'module:function(spec, seed, **tiny_options)' (models/tiny/).
+    tiny_builder: str = ""
+    tiny_options: dict = {}
+    # `model.max_sequence_length` as a constructor keyword: False for a family whose text encoder
+    # reads the whole prompt; `tiny_prompt_cap` bounds it for tiny twins whose encoders are T5s
+    # with short position tables (None: the tiny encoder reads long prompts too).
+    takes_max_sequence_length: bool = True
+    tiny_prompt_cap: int | None = 64
+    # Per device: the empty prompt's embeddings, for families with classifier-free guidance (their
+    # constructor encodes it once into `negative`; `negative_here` copies it to the device once).
+    negative: "TextEmbeds | None" = None
+    _negative_here: "TextEmbeds | None" = None
+
     @classmethod
     def sequence_length_limit(cls, tiny: bool) -> int | None:
         """model.max_sequence_length's limit for the full-size family, or for its tiny twin."""
@@ -148,40 +253,88 @@ class Policy(ABC):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, cfg: "ModelConfig", device: torch.device, ds_config: dict | None = None) -> "Policy":
+    def load(cls, cfg: "ModelConfig", device: torch.device, ds_config: dict | None = None,
+             source: ModelSource | None = None) -> "Policy":
         """The family's checkpoint at `cfg.path` (hub id or local directory in diffusers' layout), or
-        its tiny offline parts when `cfg.tiny`. With a ZeRO-3 `ds_config` the transformer is built and
-        loaded partitioned (zero_load.py): each rank holds only its share from the start,
-        bit-identical to a plain load once gathered. The tiny model is always built whole: it has no
-        checkpoint to stream from and is small enough that `deepspeed.initialize` partitioning it
-        afterwards costs nothing."""
-        from paco_ds.dtypes import resolve_dtype
-        from paco_ds.models.zero_load import is_zero3
+        its tiny offline parts when `cfg.tiny` (`source`: where else the modules come from). With a
+        ZeRO-3 `ds_config` the transformer is built and loaded partitioned (zero_load.py): each rank
+        holds only its share from the start, bit-identical to a plain load once gathered. The tiny
+        model is always built whole: it has no checkpoint to stream from and is small enough that
+        `deepspeed.initialize` partitioning it afterwards costs nothing."""
+        from paco_ds.runtime.dtypes import resolve_dtype
 
+        source = source or ModelSource()
         dtype = resolve_dtype(cfg.dtype, device)
-        if cfg.tiny:
-            parts = cls.tiny_parts(cfg.tiny_spec)
-        else:
-            parts = cls.from_pretrained(cfg.path or cls.default_path, cfg.revision, dtype, ds_config=ds_config)
-        if not is_zero3(ds_config) or cfg.tiny:  # partitioned parameters are already in place
-            move_module(parts["transformer"], device, dtype)
-        return cls(device=device, dtype=dtype, **parts, **cls.options(cfg))
+        parts = source.parts(cls, cfg, dtype, ds_config)
+        source.place(parts["transformer"], device, dtype, cfg, ds_config)
+        with source.constructing():
+            return cls(device=device, dtype=dtype, **parts, **cls.options(cfg))
 
     @classmethod
     def tiny_parts(cls, spec: "TinyModelConfig") -> dict:
         """The constructor's components at toy size, built offline (paco_ds/models/tiny/)."""
-        raise NotImplementedError(f"{cls.__name__} has no tiny model (model.tiny)")
+        if not cls.tiny_builder:
+            raise NotImplementedError(f"{cls.__name__} has no tiny model (model.tiny)")
+        return import_class(cls.tiny_builder)(spec, seed=spec.seed, **cls.tiny_options)
 
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """The constructor's components from a checkpoint; only runs where the weights are."""
-        raise NotImplementedError
+    @classmethod
+    def from_pretrained(cls, path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+        """The constructor's components from a checkpoint in diffusers' layout, as the family declares
+        them (`transformer_class`, `parts`, `checkpoint_extras`); only runs where the weights are.
+        Under ZeRO-3 the transformer is loaded partitioned; the other parts whole on every rank."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from paco_ds.models.zero_load import load_transformer
+
+        kw = revision_kwargs(revision)
+        log.info("loading %s components from %s", getattr(cls, "display_name", cls.__name__), path)
+        out = {"transformer": load_transformer(import_class(cls.transformer_class), path, revision, dtype, ds_config)}
+        out |= {name: part.load(path, name, dtype, kw) for name, part in cls.parts.items()}
+        out["scheduler_config"] = dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw))
+        return out | cls.checkpoint_extras(path, dtype, kw)
+
+    @classmethod
+    def checkpoint_extras(cls, path: str, dtype: torch.dtype, kw: dict) -> dict:
+        """Components beyond the declared parts, read from the checkpoint (default: none)."""
+        return {}
 
     @classmethod
     def options(cls, cfg: "ModelConfig") -> dict:
-        """Constructor keywords taken from the model section: the prompt length, at most 64 tokens
-        for the tiny text encoders."""
-        return {"max_sequence_length": min(cfg.max_sequence_length, 64) if cfg.tiny else cfg.max_sequence_length}
+        """Constructor keywords taken from the model section: the prompt length (capped at
+        `tiny_prompt_cap` tokens for the tiny twins' short text encoders)."""
+        if not cls.takes_max_sequence_length:
+            return {}
+        cap = cls.tiny_prompt_cap if cfg.tiny else None
+        return {"max_sequence_length": min(cfg.max_sequence_length, cap) if cap else cfg.max_sequence_length}
+
+    def take(self, device: torch.device, dtype: torch.dtype, **modules) -> None:
+        """Keep the constructor's transformer and parts (as attributes of the same names) for `device`
+        and `dtype`, the frozen parts held there (`hold_frozen`)."""
+        for name, module in modules.items():
+            setattr(self, name, module)
+        self.device, self.dtype = device, dtype
+        self.hold_frozen()
+
+    def hold_frozen(self) -> None:
+        """The declared parts with weights: no gradients, eval mode, on the policy's device in the
+        model dtype (or fp32 where the part says so)."""
+        for name, part in self.parts.items():
+            if part.dtype is not None:
+                module = getattr(self, name)
+                module.requires_grad_(False).eval()
+                move_module(module, self.device, part.torch_dtype(self.dtype))
+
+    def negative_here(self) -> "TextEmbeds":
+        """The empty prompt's embeddings on the device: copied from `negative` once per device."""
+        if self._negative_here is None:
+            self._negative_here = self.negative.to(self.device, self.dtype)
+        return self._negative_here
+
+    def to_device(self, device: torch.device) -> None:
+        """Work on `device` from now on (the GPU plan's training pass moves to fake meta tensors):
+        what was copied to the old device is copied again."""
+        self.device = device
+        self._negative_here = None
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str], condition: "Condition | None" = None) -> TextEmbeds:
@@ -255,6 +408,13 @@ class PackedPolicy(Policy):
 
     vae_scale_factor: int
 
+    def use_vae(self, vae: nn.Module) -> None:
+        """The latent geometry of an autoencoder that halves the image `len(block_out_channels) - 1`
+        times: sides in multiples of twice its factor (the 2x2 patches), its latent channels."""
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.size_multiple = self.vae_scale_factor * 2
+        self.latent_channels = vae.config.latent_channels
+
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         """The unpacked latent's size (both even, for the 2x2 packing)."""
         f = self.size_multiple
@@ -278,6 +438,15 @@ class PackedPolicy(Policy):
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return pack_2x2(latents)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """An AutoencoderKL's decode of the unpacked latents (scaled and shifted as its config says),
+        in the dtype the VAE is held in."""
+        vae_dtype = self.parts["vae"].torch_dtype(self.dtype) if "vae" in self.parts else self.dtype
+        x = self.unpack(latents.to(self.device, vae_dtype), height, width)
+        x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        return to_uint8(self.vae.decode(x, return_dict=False)[0])
 
     def unpack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return unpack_2x2(latents, *self.latent_hw(height, width))

@@ -14,7 +14,7 @@ with that dimension dynamic (dynamo's automatic dynamic shapes), and nothing rec
 Under ZeRO-3 a block's parameters are shards that DeepSpeed gathers in forward hooks on every
 module; DeepSpeed marks those hooks not to be traced, so a compiled block would break its graph at
 each of them. The sampling phase (deepspeed.rollout_gather: once) holds the whole parameters and
-lifts the hooks (paco_ds/engine.py, gathered_for_phase), so there the blocks run compiled, whole
+lifts the hooks (paco_ds/runtime/engine.py, gathered_for_phase), so there the blocks run compiled, whole
 graphs; the training steps, whose hooks must gather each shard, run the blocks eager. DeepSpeed's
 own route for those is `engine.compile()` (deepspeed.engine_compile: whole-module torch.compile,
 broken at the hooks); its DeepCompile needs CUDA to build (docs/benchmarks.md measures both).

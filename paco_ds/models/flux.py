@@ -7,18 +7,13 @@ scaling) is written out here so rollouts can keep exactly what training needs.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
-from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.recipe.schema import ModelConfig
+from paco_ds.models.base import DOUBLE_STREAM_ATTENTION, PackedPolicy, Part, TextEmbeds
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
-from paco_ds.models.zero_load import load_transformer
 from paco_ds.models.schedule import ShiftConfig
-
-log = logging.getLogger(__name__)
 
 # The full-size model (models/full_size.py), from black-forest-labs/FLUX.1-dev's config files.
 FLUX_TRANSFORMER = {  # FLUX.1-dev and FLUX.1-Kontext-dev share it: 11,901,408,320 parameters
@@ -52,8 +47,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
     return {"vae": empty(lambda: AutoencoderKL(**FLUX_VAE)),
             "text_encoder": empty(lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L_TEXT))),
             "text_encoder_2": t5_xxl(),
-            "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer(), "scheduler_config": dict(FLUX_SCHEDULER),
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer(), "scheduler_config": dict(FLUX_SCHEDULER)}
 
 
 class FluxPolicy(PackedPolicy):
@@ -61,57 +55,23 @@ class FluxPolicy(PackedPolicy):
     attention_dispatch = True  # FluxAttnProcessor dispatches (diffusers' attention_dispatch)
     # PaCo-RL's targets (scripts/train_flux.py in github.com/X-GenGroup/PaCo-RL): attention and MLP
     # of both streams of the double blocks; the names that also exist in single blocks match there.
-    lora_targets = (
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    )
+    lora_targets = DOUBLE_STREAM_ATTENTION + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
     full_size = FullSize(full_size_transformer, full_size_components)
+    transformer_class = "diffusers:FluxTransformer2DModel"
+    parts = {"vae": Part("diffusers:AutoencoderKL"), "text_encoder": Part("transformers:CLIPTextModel"),
+             "text_encoder_2": Part("transformers:T5EncoderModel"), "tokenizer": Part("transformers:CLIPTokenizer", None),
+             "tokenizer_2": Part("transformers:T5TokenizerFast", None)}
+    tiny_builder = "paco_ds.models.tiny.flux:tiny_flux_components"
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
                  tokenizer, tokenizer_2, scheduler_config: dict, device: torch.device, dtype: torch.dtype,
                  max_sequence_length: int = 512):
-        self.transformer = transformer
-        self.vae, self.text_encoder, self.text_encoder_2 = vae, text_encoder, text_encoder_2
-        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.shift = ShiftConfig.from_scheduler_config(scheduler_config)
-        self.device, self.dtype = device, dtype
         self.max_sequence_length = max_sequence_length
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.size_multiple = self.vae_scale_factor * 2  # 2x2 packing of the latents
-        self.latent_channels = vae.config.latent_channels
-        for m in (vae, text_encoder, text_encoder_2):
-            m.requires_grad_(False).eval()
-        # The VAE decodes in fp32 on CPU and in the model dtype elsewhere; text encoders likewise.
-        for m in (vae, text_encoder, text_encoder_2):
-            move_module(m, device, dtype)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.flux import tiny_flux_components
-
-        return tiny_flux_components(spec, seed=spec.seed)
-
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """FLUX.1-dev (or a local copy with the same layout); only runs where the weights are.
-        Under ZeRO-3 the transformer is loaded partitioned; the rest is small and loaded whole."""
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading FLUX components from %s", path)
-        transformer = load_transformer(FluxTransformer2DModel, path, revision, dtype, ds_config)
-        return {
-            "transformer": transformer,
-            "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
-            "text_encoder": CLIPTextModel.from_pretrained(path, subfolder="text_encoder", torch_dtype=dtype, **kw),
-            "text_encoder_2": T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", torch_dtype=dtype, **kw),
-            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
-            "tokenizer_2": T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2", **kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-        }
+        self.use_vae(vae)  # 2x2 patches of its latents
+        # the VAE and text encoders held in the model dtype (fp32 on a CPU)
+        self.take(device, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                  text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2)
 
     # ------------------------------------------------------------------ text
     @torch.no_grad()
@@ -148,10 +108,3 @@ class FluxPolicy(PackedPolicy):
                       guidance=guidance_t, pooled_projections=embeds.pooled.to(self.device, self.dtype),
                       encoder_hidden_states=embeds.prompt_embeds.to(self.device, self.dtype), txt_ids=txt_ids,
                       img_ids=img_ids, return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        x = self.unpack(latents.to(self.device, self.dtype), height, width)
-        x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
-        images = self.vae.decode(x, return_dict=False)[0]
-        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()

@@ -30,20 +30,16 @@ classifier-free guidance; the transformer, latents, schedule and decoding are th
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
-from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.models.base import PackedPolicy, Part, TextEmbeds, to_uint8
 from paco_ds.models.full_size import FullSize, empty
 from paco_ds.models.schedule import ShiftConfig
-from paco_ds.models.zero_load import load_transformer
-
-log = logging.getLogger(__name__)
 
 # The full-size model (models/full_size.py), from black-forest-labs/FLUX.2-dev's config files.
 FLUX2_DEV_TRANSFORMER = {
@@ -96,8 +92,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
         image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2, tie_word_embeddings=False)
     return {"vae": empty(lambda: AutoencoderKLFlux2(**FLUX2_VAE)),
             "text_encoder": empty(lambda: Mistral3ForConditionalGeneration(config)),
-            "tokenizer": tok, "scheduler_config": dict(FLUX2_SCHEDULER),
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer": tok, "scheduler_config": dict(FLUX2_SCHEDULER)}
 
 
 def empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -129,62 +124,22 @@ class Flux2Policy(PackedPolicy):
         "attn.to_qkv_mlp_proj",
     )
     full_size = FullSize(full_size_transformer, full_size_components)
+    transformer_class = "diffusers:Flux2Transformer2DModel"
+    parts = {"vae": Part("diffusers:AutoencoderKLFlux2"),
+             "text_encoder": Part("transformers:Mistral3ForConditionalGeneration"),
+             "tokenizer": Part("transformers:AutoProcessor", None)}
+    tiny_builder = "paco_ds.models.tiny.flux2:tiny_flux2_components"
+    # The tiny text encoders read long prompts too (with the byte-level tokenizer dev's system message
+    # and its tags alone are 173 tokens).
+    tiny_prompt_cap = None
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, tokenizer,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 512):
-        if scheduler_config.get("shift_terminal") or scheduler_config.get("use_flow_sigmas") or any(
-                scheduler_config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
-                                                  "invert_sigmas")) or (
-                scheduler_config.get("use_dynamic_shifting")
-                and scheduler_config.get("time_shift_type", "exponential") != "exponential"):
-            raise ValueError(f"unsupported {self.display_name} scheduler config {scheduler_config}: only the "
-                             "pipeline's exponential shift by its empirical mu (or a fixed shift) is implemented")
-        self.transformer = transformer
-        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
-        self.max_sequence_length = max_sequence_length
-        self.shift = ShiftConfig.from_scheduler_config({"use_dynamic_shifting": False, "shift": 1.0}
-                                                       | dict(scheduler_config))
+        self.shift = ShiftConfig.of_scheduler(scheduler_config, self.display_name, unsupported=("use_flow_sigmas",))
         self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
-        self.device, self.dtype = device, dtype
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.size_multiple = self.vae_scale_factor * 2  # the 2x2 patches
-        self.latent_channels = vae.config.latent_channels
-        for m in (vae, text_encoder):
-            m.requires_grad_(False).eval()
-            move_module(m, device, dtype)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.flux2 import tiny_flux2_components
-
-        return tiny_flux2_components(spec, seed=spec.seed)
-
-    @classmethod
-    def options(cls, cfg) -> dict:
-        # The tiny text encoders read long prompts too (with the byte-level tokenizer dev's system message and
-        # its tags alone are 173 tokens).
-        return {"max_sequence_length": cfg.max_sequence_length}
-
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """black-forest-labs/FLUX.2-dev (or a local copy in its layout); only runs where the weights are.
-        Under ZeRO-3 the transformer (32B) is loaded partitioned; Mistral-Small-3.1 (24B) and the VAE
-        whole on every rank (parked in host memory while the epoch scores and trains)."""
-        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-        from transformers import AutoProcessor, Mistral3ForConditionalGeneration
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading FLUX.2-dev components from %s", path)
-        transformer = load_transformer(Flux2Transformer2DModel, path, revision, dtype, ds_config)
-        return {
-            "transformer": transformer,
-            "vae": AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
-            "text_encoder": Mistral3ForConditionalGeneration.from_pretrained(path, subfolder="text_encoder",
-                                                                             dtype=dtype, **kw),
-            "tokenizer": AutoProcessor.from_pretrained(path, subfolder="tokenizer", **kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-        }
+        self.max_sequence_length = max_sequence_length
+        self.use_vae(vae)  # 2x2 patches of its latents
+        self.take(device, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ prompts
     def _no_condition(self, condition) -> None:
@@ -271,4 +226,4 @@ class Flux2Policy(PackedPolicy):
         std = torch.sqrt(bn.running_var + self.vae.config.batch_norm_eps).to(x.device, x.dtype)
         x = self.unpack(x * std + mean, height, width)
         images = self.vae.decode(x, return_dict=False)[0]
-        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+        return to_uint8(images)

@@ -19,19 +19,15 @@ only, as for dev.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.tiny.flux2 import TINY_TEXT_POSITIONS
-from paco_ds.models.base import TextEmbeds
+from paco_ds.models.base import Part, TextEmbeds
 from paco_ds.models.flux2 import FLUX2_DEV_TRANSFORMER, FLUX2_SCHEDULER, FLUX2_VAE, Flux2Policy
 from paco_ds.models.full_size import FullSize, empty
-from paco_ds.models.zero_load import load_transformer
-
-log = logging.getLogger(__name__)
 
 # black-forest-labs/FLUX.2-klein-base-9B's transformer config (FLUX.2-klein-9B, distilled, the same)
 FLUX2_KLEIN_9B_TRANSFORMER = dict(FLUX2_DEV_TRANSFORMER, num_layers=8, num_single_layers=24, num_attention_heads=32,
@@ -61,8 +57,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
     config = Qwen3Config(**QWEN3_8B, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return {"vae": empty(lambda: AutoencoderKLFlux2(**FLUX2_VAE)), "text_encoder": empty(lambda: Qwen3ForCausalLM(config)),
-            "tokenizer": tok, "scheduler_config": dict(FLUX2_SCHEDULER), "is_distilled": False,
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer": tok, "scheduler_config": dict(FLUX2_SCHEDULER), "is_distilled": False}
 
 
 class Flux2KleinPolicy(Flux2Policy):
@@ -74,6 +69,9 @@ class Flux2KleinPolicy(Flux2Policy):
     tiny_max_sequence_length_limit = TINY_TEXT_POSITIONS
     text_encoder_out_layers = (9, 18, 27)
     full_size = FullSize(full_size_transformer, full_size_components)
+    parts = {"vae": Part("diffusers:AutoencoderKLFlux2"), "text_encoder": Part("transformers:Qwen3ForCausalLM"),
+             "tokenizer": Part("transformers:AutoTokenizer", None)}
+    tiny_builder = "paco_ds.models.tiny.flux2:tiny_flux2_klein_components"
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, tokenizer,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 512,
@@ -83,35 +81,14 @@ class Flux2KleinPolicy(Flux2Policy):
         self.is_distilled = is_distilled
         # The negative prompt of guidance, encoded once (kept on the CPU; a device copy is made once).
         self.negative = None if is_distilled else self.encode_prompts([""]).to("cpu")
-        self._negative_here: TextEmbeds | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.flux2 import tiny_flux2_klein_components
+    def checkpoint_extras(cls, path: str, dtype: torch.dtype, kw: dict) -> dict:
+        """`is_distilled`, from the checkpoint's model_index.json (the undistilled base: guidance is CFG)."""
+        from diffusers import DiffusionPipeline
 
-        return tiny_flux2_klein_components(spec, seed=spec.seed)
-
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """black-forest-labs/FLUX.2-klein-base-9B (or another klein, or a local copy in its layout);
-        only runs where the weights are. Under ZeRO-3 the transformer is loaded partitioned; Qwen3 and
-        the VAE whole on every rank. `is_distilled` comes from the checkpoint's model_index.json."""
-        from diffusers import AutoencoderKLFlux2, DiffusionPipeline, FlowMatchEulerDiscreteScheduler
-        from diffusers import Flux2Transformer2DModel
-        from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading FLUX.2 [klein] components from %s", path)
-        transformer = load_transformer(Flux2Transformer2DModel, path, revision, dtype, ds_config)
-        return {
-            "transformer": transformer,
-            "vae": AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
-            "text_encoder": Qwen3ForCausalLM.from_pretrained(path, subfolder="text_encoder", dtype=dtype, **kw),
-            "tokenizer": AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-            "is_distilled": bool(DiffusionPipeline.load_config(path, **kw).get("is_distilled", False)),
-        }
+        return {"is_distilled": bool(DiffusionPipeline.load_config(path, **kw).get("is_distilled", False))}
 
     # ------------------------------------------------------------------ prompts
     def _prompt_inputs(self, prompts: list[str]) -> dict:
@@ -137,9 +114,7 @@ class Flux2KleinPolicy(Flux2Policy):
         x, t, text = latents.to(self.device), self._timestep(sigma, b), embeds.prompt_embeds.to(self.device)
         if not self.guided(guidance):
             return self._call(module, x, t, text, None, height, width)
-        if self._negative_here is None:
-            self._negative_here = self.negative.to(self.device, self.dtype)
-        negative = self._negative_here.prompt_embeds.expand(b, -1, -1)
+        negative = self.negative_here().prompt_embeds.expand(b, -1, -1)
         out = self._call(module, torch.cat([x, x]), torch.cat([t, t]), torch.cat([text.to(self.dtype), negative]),
                          None, height, width)
         cond, uncond = out.chunk(2)

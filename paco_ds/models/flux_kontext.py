@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import Condition, TextEmbeds
 from paco_ds.models.flux import FluxPolicy
 
@@ -78,13 +78,14 @@ class KontextPolicy(FluxPolicy):
     default_path = KONTEXT_PATH  # the same transformer class as FLUX.1-dev, so the same LoRA targets
 
     @classmethod
-    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None) -> "KontextPolicy":
+    def load(cls, cfg: ModelConfig, device: torch.device, ds_config: dict | None = None,
+             source=None) -> "KontextPolicy":
         """FluxPolicy's loading (the same component classes: a FluxTransformer2DModel with guidance
         embeddings, AutoencoderKL, CLIP, T5; partitioned under ZeRO-3) from a Kontext checkpoint.
         The tiny model already has guidance embeddings (and an AutoencoderTiny)."""
         if not cfg.tiny:
             cfg = cfg.model_copy(update={"path": kontext_path(cfg)})
-        return super().load(cfg, device, ds_config=ds_config)
+        return super().load(cfg, device, ds_config=ds_config, source=source)
 
     # ------------------------------------------------------------------ condition
     @torch.no_grad()

@@ -24,10 +24,11 @@ class FullSize:
     """How a policy builds its full-size model on the meta device.
 
     `transformer()`: the transformer, from the checkpoint's config (about a second: LoRA target
-    checks build it too). `components(model_cfg)`: the policy constructor's other arguments (its
-    frozen modules on meta, tokenizers or processor, scheduler config, and whatever it reads from
-    the recipe's `model` section). The `vae` component is the VAE, every other module a text
-    encoder; `fp32` names the components the policy keeps in fp32 whatever `model.dtype` is."""
+    checks build it too). `components(model_cfg)`: the policy constructor's other components (its
+    frozen modules on meta, tokenizers or processor, scheduler config); its options from the
+    recipe's `model` section are `Policy.options`', as for any load. The `vae` component is the VAE,
+    every other module a text encoder; `fp32` names the components the policy keeps in fp32
+    whatever `model.dtype` is."""
 
     transformer: Callable[[], nn.Module]
     components: Callable[[Any], dict]

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paco_ds.config import LoraConfig
+from paco_ds.recipe.schema import LoraConfig
 from paco_ds.errors import ConfigError
-from paco_ds.recipe import suggest
+from paco_ds.recipe.loader import suggest
 
 ADAPTER = "default"
 

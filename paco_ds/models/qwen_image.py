@@ -26,11 +26,10 @@ import math
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
-from paco_ds.models.base import Condition, PackedPolicy, TextEmbeds, move_module
+from paco_ds.recipe.schema import ModelConfig
+from paco_ds.models.base import DOUBLE_STREAM_ATTENTION, Condition, PackedPolicy, Part, TextEmbeds, to_uint8
 from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
 from paco_ds.models.schedule import ShiftConfig, calculate_mu
-from paco_ds.models.zero_load import load_transformer
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
     tok, config = qwen_vl_config()
     return {"vae": empty(lambda: AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)),
             "text_encoder": empty(lambda: Qwen2_5_VLForConditionalGeneration(config)),
-            "tokenizer": tok, "scheduler_config": dict(QWEN_IMAGE_SCHEDULER),
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer": tok, "scheduler_config": dict(QWEN_IMAGE_SCHEDULER)}
 
 
 class QwenImagePolicy(PackedPolicy):
@@ -88,12 +86,15 @@ class QwenImagePolicy(PackedPolicy):
     max_sequence_length_limit = TOKENIZER_MAX_LENGTH
     # Attention and MLP of both streams in Qwen-Image's own names: its MLPs are img_mlp/txt_mlp,
     # so FLUX's ff/ff_context names would leave them without LoRA.
-    lora_targets = (
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-    )
+    lora_targets = DOUBLE_STREAM_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                              "txt_mlp.net.2")
     full_size = FullSize(full_size_transformer, full_size_components)
+    transformer_class = "diffusers:QwenImageTransformer2DModel"
+    parts = {"vae": Part("diffusers:AutoencoderKLQwenImage"),
+             "text_encoder": Part("transformers:Qwen2_5_VLForConditionalGeneration"),
+             "tokenizer": Part("transformers:Qwen2Tokenizer", None)}
+    tiny_builder = "paco_ds.models.tiny.qwen_image:tiny_qwen_image_components"
+    tiny_prompt_cap = None  # the tiny VL encoder reads long prompts too (no 64-token cap as for the tiny T5s)
     prompt_template = PROMPT_TEMPLATE
     template_prefix_end = "{}"  # the template's dropped prefix ends where this begins
 
@@ -103,8 +104,6 @@ class QwenImagePolicy(PackedPolicy):
         if max_sequence_length is not None and max_sequence_length > TOKENIZER_MAX_LENGTH:
             raise ValueError(f"model.max_sequence_length is at most {TOKENIZER_MAX_LENGTH} for {self.display_name}, "
                              f"got {max_sequence_length}")
-        self.transformer = transformer
-        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
         self.max_sequence_length = max_sequence_length
         self.shift = ShiftConfig.from_scheduler_config(scheduler_config)
         # Qwen-Image stretches its shifted schedule so the last non-zero sigma is this (0.02);
@@ -112,54 +111,13 @@ class QwenImagePolicy(PackedPolicy):
         self.shift_terminal = scheduler_config.get("shift_terminal")
         if scheduler_config.get("time_shift_type", "exponential") != "exponential":
             raise ValueError(f"unsupported time_shift_type {scheduler_config['time_shift_type']!r}")
-        self.device, self.dtype = device, dtype
         self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
         self.size_multiple = self.vae_scale_factor * 2  # 2x2 packing of the latents
         self.latent_channels = vae.config.z_dim
         prefix = self.prompt_template.split(self.template_prefix_end)[0]
         self.template_drop = len(tokenizer(prefix)["input_ids"])
         self._warned_guidance = False
-        for m in (vae, text_encoder):
-            m.requires_grad_(False).eval()
-            move_module(m, device, dtype)
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.qwen_image import tiny_qwen_image_components
-
-        return tiny_qwen_image_components(spec, seed=spec.seed)
-
-    @classmethod
-    def options(cls, cfg) -> dict:
-        # The tiny VL encoder reads long prompts too (no 64-token cap as for the tiny T5s).
-        return {"max_sequence_length": cfg.max_sequence_length}
-
-    @classmethod
-    def prompt_reader(cls, path: str, kw: dict) -> dict:
-        """The constructor's prompt-reading component: Qwen-Image's tokenizer."""
-        from transformers import Qwen2Tokenizer
-
-        return {"tokenizer": Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer", **kw)}
-
-    @classmethod
-    def from_pretrained(cls, path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """Only runs where the weights are. Under ZeRO-3 the transformer (20B) is loaded
-        partitioned; the VL encoder (7B) and the VAE are loaded whole on every rank."""
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading %s components from %s", cls.display_name, path)
-        transformer = load_transformer(QwenImageTransformer2DModel, path, revision, dtype, ds_config)
-        return {
-            "transformer": transformer,
-            "vae": AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
-            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder",
-                                                                               dtype=dtype, **kw),
-            **cls.prompt_reader(path, kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-        }
+        self.take(device, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ schedule
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
@@ -247,4 +205,4 @@ class QwenImagePolicy(PackedPolicy):
         x = self.unpack(latents.to(self.device, self.dtype), height, width).unsqueeze(2)
         mean, std = self._latent_stats(x.dtype)
         images = self.vae.decode(x * std + mean, return_dict=False)[0][:, :, 0]
-        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+        return to_uint8(images)

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
-from paco_ds.models.base import Condition, TextEmbeds
+from paco_ds.recipe.schema import ModelConfig
+from paco_ds.models.base import Condition, Part, TextEmbeds
 from paco_ds.models.full_size import FullSize
 from paco_ds.models.qwen_image import QwenImagePolicy, full_size_transformer
 from paco_ds.models.qwen_image import full_size_components as qwen_image_components
@@ -62,7 +62,6 @@ def full_size_components(cfg: ModelConfig) -> dict:
     from paco_ds.models.tiny.qwen_vl import QWEN2_VL_CHAT_TEMPLATE
 
     parts = qwen_image_components(cfg)
-    parts.pop("max_sequence_length")  # the VL encoder reads the whole prompt with the reference (no cap)
     parts["processor"] = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS),
         video_processor=Qwen2VLVideoProcessor(**QWEN_VL_PIXELS), tokenizer=parts.pop("tokenizer"),
@@ -85,30 +84,17 @@ class QwenEditPolicy(QwenImagePolicy):
     max_sequence_length_limit = None  # model.max_sequence_length does not apply (options: the whole prompt)
     prompt_template = PROMPT_TEMPLATE
     template_prefix_end = "<|vision_start|>"  # the vision tokens stay
+    # The processor (the tokenizer and the reference image's geometry) instead of Qwen-Image's tokenizer.
+    parts = {**{k: v for k, v in QwenImagePolicy.parts.items() if k != "tokenizer"},
+             "processor": Part("transformers:Qwen2VLProcessor", None)}
+    tiny_builder = "paco_ds.models.tiny.qwen_image:tiny_qwen_edit_components"
+    takes_max_sequence_length = False  # the VL encoder reads the whole prompt (and the reference image)
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, processor,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype):
         super().__init__(transformer, vae, text_encoder, processor.tokenizer, scheduler_config, device, dtype,
                          max_sequence_length=None)
         self.processor = processor
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
-
-        return tiny_qwen_edit_components(spec, seed=spec.seed)
-
-    @classmethod
-    def options(cls, cfg) -> dict:
-        return {}  # the VL encoder reads the whole prompt (and the reference image)
-
-    @classmethod
-    def prompt_reader(cls, path: str, kw: dict) -> dict:
-        """The processor: the tokenizer and the reference image's geometry."""
-        from transformers import Qwen2VLProcessor
-
-        return {"processor": Qwen2VLProcessor.from_pretrained(path, subfolder="processor", **kw)}
 
     # ------------------------------------------------------------------ sizes and latents
     def condition_size(self, ref_height: int, ref_width: int, height: int, width: int) -> tuple[int, int]:

@@ -72,11 +72,7 @@ class QwenEditPlusPolicy(QwenEditPolicy):
     prompt_template = PROMPT_TEMPLATE
     template_prefix_end = "{}"  # the dropped prefix is the system turn; the numbered images stay
 
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.qwen_image import tiny_qwen_edit_components
-
-        return tiny_qwen_edit_components(spec, seed=spec.seed, zero_cond_t=True)
+    tiny_options = {"zero_cond_t": True}  # 2511's condition tokens modulated at t = 0
 
     # ------------------------------------------------------------------ sizes
     def vl_input_size(self, ref_height: int, ref_width: int) -> tuple[int, int]:

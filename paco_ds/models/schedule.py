@@ -25,6 +25,19 @@ class ShiftConfig:
     shift: float = 3.0  # used only without dynamic shifting
 
     @classmethod
+    def of_scheduler(cls, conf: dict, family: str, unsupported: tuple[str, ...] = ()) -> "ShiftConfig":
+        """The shift of a FlowMatchEulerDiscreteScheduler config, with the class's own defaults where
+        the config is silent (no dynamic shift, shift 1); a config asking for a schedule this module
+        does not compute (karras/exponential/beta sigmas, a terminal stretch, a non-exponential time
+        shift, or one of `unsupported`) is refused."""
+        asks = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                            "invert_sigmas", *unsupported) if conf.get(k)]
+        if asks or (conf.get("use_dynamic_shifting") and conf.get("time_shift_type", "exponential") != "exponential"):
+            raise ValueError(f"unsupported {family} scheduler config {conf}: only a fixed shift or FLUX's exponential "
+                             "dynamic shift (the pipeline's mu) is implemented")
+        return cls.from_scheduler_config({"use_dynamic_shifting": False, "shift": 1.0} | dict(conf))
+
+    @classmethod
     def from_scheduler_config(cls, conf: dict) -> "ShiftConfig":
         return cls(base_seq_len=conf.get("base_image_seq_len", 256), max_seq_len=conf.get("max_image_seq_len", 4096),
                    base_shift=conf.get("base_shift", 0.5), max_shift=conf.get("max_shift", 1.15),

@@ -28,20 +28,15 @@ and the VAE. The VAE runs in fp32, as Flow-GRPO keeps it.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
-from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.recipe.schema import ModelConfig
+from paco_ds.models.base import PackedPolicy, Part, TextEmbeds
 from paco_ds.models.flux import FLUX_VAE
 from paco_ds.models.full_size import CLIP_L_TEXT, FullSize, empty, t5_xxl
-from paco_ds.models.zero_load import load_transformer
 from paco_ds.models.schedule import ShiftConfig
-
-log = logging.getLogger(__name__)
 
 CLIP_MAX_LENGTH = 77
 
@@ -83,8 +78,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
             "text_encoder_2": empty(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G_PROJ))),
             "text_encoder_3": t5_xxl(),
             "tokenizer": copy.deepcopy(clip_tokenizer()), "tokenizer_2": copy.deepcopy(clip_tokenizer()),
-            "tokenizer_3": copy.deepcopy(t5_tokenizer()), "scheduler_config": dict(SD35_SCHEDULER),
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer_3": copy.deepcopy(t5_tokenizer()), "scheduler_config": dict(SD35_SCHEDULER)}
 
 
 def sd3_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -109,71 +103,33 @@ class SD3Policy(PackedPolicy):
         "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
     )
     full_size = FullSize(full_size_transformer, full_size_components, fp32=("vae",))
+    transformer_class = "diffusers:SD3Transformer2DModel"
+    parts = {"vae": Part("diffusers:AutoencoderKL", "fp32", choices=("AutoencoderKL", "AutoencoderTiny")),
+             "text_encoder": Part("transformers:CLIPTextModelWithProjection"),
+             "text_encoder_2": Part("transformers:CLIPTextModelWithProjection"),
+             "text_encoder_3": Part("transformers:T5EncoderModel"),
+             "tokenizer": Part("transformers:CLIPTokenizer", None), "tokenizer_2": Part("transformers:CLIPTokenizer", None),
+             "tokenizer_3": Part("transformers:T5TokenizerFast", None)}
+    tiny_builder = "paco_ds.models.tiny.sd3:tiny_sd3_components"
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, text_encoder_2: nn.Module,
                  text_encoder_3: nn.Module, tokenizer, tokenizer_2, tokenizer_3, scheduler_config: dict,
                  device: torch.device, dtype: torch.dtype, max_sequence_length: int = 128):
-        self.transformer = transformer
-        self.vae = vae
-        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = text_encoder, text_encoder_2, text_encoder_3
-        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
         if scheduler_config.get("use_dynamic_shifting") or any(
                 scheduler_config.get(k) for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas",
                                                   "use_beta_sigmas", "invert_sigmas")):
             raise ValueError(f"unsupported SD3 scheduler config {scheduler_config}: only a fixed shift is implemented")
         self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
         self.shift = ShiftConfig(use_dynamic_shifting=False, shift=float(scheduler_config.get("shift", 1.0)))
-        self.device, self.dtype = device, dtype
         self.max_sequence_length = max_sequence_length
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.size_multiple = self.vae_scale_factor * 2  # the transformer's 2x2 patches
-        self.latent_channels = vae.config.latent_channels
-        for m in (vae, text_encoder, text_encoder_2, text_encoder_3):
-            m.requires_grad_(False).eval()
-        move_module(vae, device, torch.float32)
-        for m in (text_encoder, text_encoder_2, text_encoder_3):
-            move_module(m, device, dtype)
+        self.use_vae(vae)  # 2x2 patches of its latents
+        # the VAE held in fp32, the text encoders in the model dtype
+        self.take(device, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder,
+                  text_encoder_2=text_encoder_2, text_encoder_3=text_encoder_3, tokenizer=tokenizer,
+                  tokenizer_2=tokenizer_2, tokenizer_3=tokenizer_3)
         # The negative prompt of classifier-free guidance, encoded once (kept on the CPU; a copy on
-        # the device is made once, not at every forward).
+        # the device is made once, not at every forward: negative_here).
         self.negative = self.encode_prompts([""]).to("cpu")
-        self._negative_here: TextEmbeds | None = None
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.sd3 import tiny_sd3_components
-
-        return tiny_sd3_components(spec, seed=spec.seed)
-
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """stabilityai/stable-diffusion-3.5-medium (or a local copy with its layout); only runs where
-        the weights are. Under ZeRO-3 the transformer is loaded partitioned; the rest whole."""
-        import diffusers
-        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading SD3 components from %s", path)
-        transformer = load_transformer(SD3Transformer2DModel, path, revision, dtype, ds_config)
-        # The autoencoder class the folder names: SD3.5's AutoencoderKL, or a tiny 8x one (TAESD3's
-        # AutoencoderTiny decodes the same latents, faster).
-        vae_class = diffusers.AutoencoderKL.load_config(path, subfolder="vae", **kw).get("_class_name", "AutoencoderKL")
-        if vae_class not in ("AutoencoderKL", "AutoencoderTiny"):
-            raise ValueError(f"{path}/vae: {vae_class} is not an SD3 autoencoder (AutoencoderKL or AutoencoderTiny)")
-        return {
-            "transformer": transformer,
-            "vae": getattr(diffusers, vae_class).from_pretrained(path, subfolder="vae", torch_dtype=torch.float32, **kw),
-            "text_encoder": CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder", dtype=dtype,
-                                                                        **kw),
-            "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2",
-                                                                          dtype=dtype, **kw),
-            "text_encoder_3": T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=dtype, **kw),
-            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
-            "tokenizer_2": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kw),
-            "tokenizer_3": T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3", **kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-        }
 
     def text_encoders(self) -> list[nn.Module]:
         return [self.text_encoder, self.text_encoder_2, self.text_encoder_3]
@@ -216,9 +172,7 @@ class SD3Policy(PackedPolicy):
         pooled = embeds.pooled.to(self.device, self.dtype)
         cfg = guidance > 1
         if cfg:
-            if self._negative_here is None:
-                self._negative_here = self.negative.to(self.device, self.dtype)
-            neg = self._negative_here
+            neg = self.negative_here()
             x, t = torch.cat([x, x]), torch.cat([t, t])
             text = torch.cat([neg.prompt_embeds.expand(b, -1, -1), text])
             pooled = torch.cat([neg.pooled.expand(b, -1), pooled])
@@ -230,10 +184,3 @@ class SD3Policy(PackedPolicy):
             uncond = uncond.detach()  # compute_log_prob's stop-gradient (no-op while sampling)
             out = uncond + guidance * (cond - uncond)
         return self.pack(out)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        x = self.unpack(latents.to(self.device, torch.float32), height, width)
-        x = x / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
-        images = self.vae.decode(x, return_dict=False)[0]
-        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()

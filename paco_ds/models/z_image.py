@@ -26,19 +26,14 @@ The components are driven directly, as diffusers' `ZImagePipeline` (pipeline_z_i
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from paco_ds.config import ModelConfig
-from paco_ds.models.base import PackedPolicy, TextEmbeds, move_module
+from paco_ds.recipe.schema import ModelConfig
+from paco_ds.models.base import PackedPolicy, Part, TextEmbeds
 from paco_ds.models.flux import FLUX_VAE
 from paco_ds.models.full_size import FullSize, empty
 from paco_ds.models.schedule import ShiftConfig
-from paco_ds.models.zero_load import load_transformer
-
-log = logging.getLogger(__name__)
 
 SEQ_MULTI_OF = 32  # the transformer pads each prompt's tokens to a multiple of this (transformer_z_image.py)
 
@@ -76,8 +71,7 @@ def full_size_components(cfg: ModelConfig) -> dict:
     config = Qwen3Config(**QWEN3_4B, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return {"vae": empty(lambda: AutoencoderKL(**FLUX_VAE)), "text_encoder": empty(lambda: Qwen3Model(config)),
-            "tokenizer": tok, "scheduler_config": dict(Z_IMAGE_TURBO_SCHEDULER),
-            "max_sequence_length": cfg.max_sequence_length}
+            "tokenizer": tok, "scheduler_config": dict(Z_IMAGE_TURBO_SCHEDULER)}
 
 
 class ZImagePolicy(PackedPolicy):
@@ -94,16 +88,15 @@ class ZImagePolicy(PackedPolicy):
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     full_size = FullSize(full_size_transformer, full_size_components)
+    transformer_class = "diffusers:ZImageTransformer2DModel"
+    parts = {"vae": Part("diffusers:AutoencoderKL"), "text_encoder": Part("transformers:Qwen3Model"),
+             "tokenizer": Part("transformers:Qwen2Tokenizer", None)}
+    tiny_builder = "paco_ds.models.tiny.z_image:tiny_z_image_components"
+    tiny_prompt_cap = None  # the tiny Qwen3 reads long prompts too (no 64-token cap as for the tiny T5s)
 
     def __init__(self, transformer: nn.Module, vae: nn.Module, text_encoder: nn.Module, tokenizer,
                  scheduler_config: dict, device: torch.device, dtype: torch.dtype, max_sequence_length: int = 512):
-        if scheduler_config.get("shift_terminal") or any(
-                scheduler_config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
-                                                  "invert_sigmas")) or (
-                scheduler_config.get("use_dynamic_shifting")
-                and scheduler_config.get("time_shift_type", "exponential") != "exponential"):
-            raise ValueError(f"unsupported Z-Image scheduler config {scheduler_config}: only a fixed shift or "
-                             "FLUX's exponential dynamic shift is implemented")
+        self.shift = ShiftConfig.of_scheduler(scheduler_config, self.display_name)
         # Caption positions run along the first rope axis, padded to SEQ_MULTI_OF, and the image sits
         # after them: a longer prompt would index past the rope table.
         first_axis = transformer.config.axes_lens[0]
@@ -111,54 +104,12 @@ class ZImagePolicy(PackedPolicy):
             raise ValueError(f"model.max_sequence_length is at most {(first_axis - 2) // SEQ_MULTI_OF * SEQ_MULTI_OF} "
                              f"for {self.display_name} (its rope table has {first_axis} positions), got "
                              f"{max_sequence_length}")
-        self.transformer = transformer
-        self.vae, self.text_encoder, self.tokenizer = vae, text_encoder, tokenizer
-        self.max_sequence_length = max_sequence_length
-        # The scheduler class's own defaults where the config is silent (no dynamic shift, shift 1).
-        self.shift = ShiftConfig.from_scheduler_config({"use_dynamic_shifting": False, "shift": 1.0}
-                                                       | dict(scheduler_config))
         self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
-        self.device, self.dtype = device, dtype
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.size_multiple = self.vae_scale_factor * 2  # the transformer's 2x2 patches
-        self.latent_channels = vae.config.latent_channels
-        for m in (vae, text_encoder):
-            m.requires_grad_(False).eval()
-            move_module(m, device, dtype)
+        self.max_sequence_length = max_sequence_length
+        self.use_vae(vae)  # 2x2 patches of its latents
+        self.take(device, dtype, transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         # The negative prompt of guidance, encoded once (kept on the CPU; a device copy is made once).
         self.negative = self.encode_prompts([""]).to("cpu")
-        self._negative_here: TextEmbeds | None = None
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def tiny_parts(cls, spec) -> dict:
-        from paco_ds.models.tiny.z_image import tiny_z_image_components
-
-        return tiny_z_image_components(spec, seed=spec.seed)
-
-    @classmethod
-    def options(cls, cfg) -> dict:
-        # The tiny Qwen3 reads long prompts too (no 64-token cap as for the tiny T5s).
-        return {"max_sequence_length": cfg.max_sequence_length}
-
-    @staticmethod
-    def from_pretrained(path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
-        """Tongyi-MAI/Z-Image-Turbo (or Z-Image, or a local copy with their layout); only runs where
-        the weights are. Under ZeRO-3 the transformer (6.2B) is loaded partitioned; Qwen3-4B and the
-        VAE whole on every rank."""
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-        from transformers import Qwen2Tokenizer, Qwen3Model
-
-        kw = {"revision": revision} if revision else {}
-        log.info("loading Z-Image components from %s", path)
-        transformer = load_transformer(ZImageTransformer2DModel, path, revision, dtype, ds_config)
-        return {
-            "transformer": transformer,
-            "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dtype, **kw),
-            "text_encoder": Qwen3Model.from_pretrained(path, subfolder="text_encoder", dtype=dtype, **kw),
-            "tokenizer": Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer", **kw),
-            "scheduler_config": dict(FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kw)),
-        }
 
     # ------------------------------------------------------------------ prompts
     @torch.no_grad()
@@ -196,20 +147,11 @@ class ZImagePolicy(PackedPolicy):
         caps = [e[m] for e, m in zip(text, embeds.mask.to(self.device).bool())]
         cfg = guidance > 0
         if cfg:
-            if self._negative_here is None:
-                self._negative_here = self.negative.to(self.device, self.dtype)
             x, t = x + x, torch.cat([t, t])
-            caps = caps + [self._negative_here.prompt_embeds[0]] * b
+            caps = caps + [self.negative_here().prompt_embeds[0]] * b
         out = torch.stack(module(x, t, caps, return_dict=False)[0]).squeeze(2).float()
         if cfg:
             cond, uncond = out.chunk(2)
             uncond = uncond.detach()  # compute_log_prob's stop-gradient (no-op while sampling)
             out = cond + guidance * (cond - uncond)
         return self.pack(-out).to(self.dtype)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        x = self.unpack(latents.to(self.device, self.dtype), height, width)
-        x = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        images = self.vae.decode(x, return_dict=False)[0]
-        return ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()

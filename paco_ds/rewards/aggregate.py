@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from paco_ds.errors import ConfigError, RewardError
-from paco_ds.recipe import resolve
+from paco_ds.recipe.loader import resolve
 
 BUILTIN = ("weighted_sum", "geometric_mean", "harmonic_mean", "log_tame", "weighted_advantage_sum")
 

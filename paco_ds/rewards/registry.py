@@ -9,7 +9,7 @@ import inspect
 from typing import Any
 
 from paco_ds.errors import ConfigError
-from paco_ds.recipe import resolve
+from paco_ds.recipe.loader import resolve
 
 REWARDS: dict[str, str] = {
     # local, in-process

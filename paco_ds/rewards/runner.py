@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from paco_ds.config import RewardSet
+from paco_ds.recipe.schema import RewardSet
 from paco_ds.errors import RewardError
 from paco_ds.images import to_pil
 from paco_ds.rewards.base import PartialRewardError, Reward, RewardResult

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, fields
-from typing import Callable
-
 import torch
 from torch import nn
 
-from kernels.sde_reference import sde_step
 from paco_ds.models.base import Condition, Policy, TextEmbeds
-from paco_ds.sampling.solver import Step, multistep_velocity, unit_steps
+from paco_ds.sampling.solver import Step, multistep_velocity
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 
 
 def make_generator(*keys) -> torch.Generator:
@@ -64,40 +62,28 @@ class TrainingBatch(Trajectory):
 
 
 @torch.no_grad()
-def sample_trajectories(
-    policy: Policy, module: nn.Module, prompts: list[str], embeds: TextEmbeds, height: int, width: int, *,
-    num_steps: int, guidance: float, noise_level: float, noise_steps: list[int], train_steps: list[int],
-    generators: list[torch.Generator], initial_latents: torch.Tensor | None = None, sde_type: str = "flow_grpo",
-    sde_fn: Callable = sde_step, condition: Condition | None = None, keep_final: bool = False,
-    keep_mean: bool = False, metadata: list[dict] | None = None, positions: list[int] | None = None,
-    group_ids: list[int] | None = None, plan: list[Step] | None = None, start: int = 0,
-    noise_fn: Callable[[int, int], torch.Tensor] | None = None,
-) -> Trajectory:
-    """Run the sampler for one batch; with noise_level 0 and no train steps this is pure ODE (eval).
-
-    `condition`: an editing policy's encoded reference images (kept on the Trajectory);
-    `keep_final`: also keep the clean final latents (for losses on the forward process);
-    `keep_mean`: also keep the SDE transition mean of the trained steps (needs an sde_fn returning it).
-    `noise_steps` / `train_steps` may hold one list per sample (Flow-GRPO-Fast windows per prompt
-    group): a step is then stochastic for the samples whose list has it and ODE for the others.
-    `metadata`, `positions`, `group_ids`: each sample's (default: no metadata, its own group at its
-    index in the batch). `plan`: the steps (default one per schedule step; paco_ds/sampling/solver.py
-    walks ODE-only stretches in fewer); `start`: the schedule index `initial_latents` are at (a
-    group's shared prefix already walked, see paco_ds/sampling/rollouts.py); `noise_fn(r, i)`: sample
-    r's SDE noise at step i instead of its generator's next draw (a tree leaf's unshared path)."""
-    b = len(prompts)
+def sample_trajectories(policy: Policy, module: nn.Module, spec: SamplingSpec, batch: RolloutBatch) -> Trajectory:
+    """Run the sampler for one batch as `spec` says; with noise_level 0 and no train steps this is
+    pure ODE (eval). The batch's `noise_steps` are its SDE steps, its `train_steps` those whose
+    transitions and log-probs it keeps. The walk starts at the batch's `start` (a group's shared
+    prefix already walked, see paco_ds/sampling/rollouts.py); each SDE step's noise is the sample's
+    generator's next draw, or `noise_fn(r, i)` (a tree leaf's unshared path)."""
+    b, height, width = len(batch), batch.height, batch.width
+    num_steps, noise_level, sde_fn, sde_type = spec.num_steps, spec.noise_level, spec.sde_fn, spec.sde_type
+    generators, noise_fn, train_steps = batch.generators, batch.noise_fn, batch.train_steps
     sigmas = policy.sigmas(num_steps, height, width)
-    x = initial_latents if initial_latents is not None else policy.initial_latents(b, height, width, generators)
+    x = batch.initial_latents if batch.initial_latents is not None else \
+        policy.initial_latents(b, height, width, generators)
     latent_dtype = x.dtype
-    embeds_dev = embeds.to(policy.device)
-    cond_dev = condition.to(policy.device) if condition is not None else None
-    per_sample = bool(noise_steps) and isinstance(noise_steps[0], (list, tuple))
-    noisy = [set(n) for n in noise_steps] if per_sample else [set(noise_steps)] * b
+    embeds_dev = batch.embeds.to(policy.device)
+    cond_dev = batch.condition.to(policy.device) if batch.condition is not None else None
+    per_sample = batch.per_sample_steps
+    noisy = [set(n) for n in batch.noise_steps] if per_sample else [set(batch.noise_steps)] * b
     trained = [list(t) for t in train_steps] if per_sample and train_steps else [list(train_steps)] * b
     kept: list[list[tuple]] = [[] for _ in range(b)]  # per sample: (x_j, x_{j+1}, log pi, mean) of its trained steps
-    plan = [st for st in (plan or unit_steps(num_steps)) if st.i >= start]
+    plan = [st for st in spec.plan if st.i >= batch.start]
     if plan and plan[0].multistep:
-        raise ValueError(f"a rollout cannot start at index {start}, inside a multistep ODE stretch")
+        raise ValueError(f"a rollout cannot start at index {batch.start}, inside a multistep ODE stretch")
     single = {st.i for st in plan if st.k == st.i + 1}
     off_plan = sorted(set().union(*map(set, trained), *(noisy if noise_level > 0 else [])) - single)
     if off_plan:
@@ -110,7 +96,7 @@ def sample_trajectories(
     for st in plan:
         i = st.i
         s, s_next = sigmas[i].item(), sigmas[st.k].item()
-        v = walk.velocity(st, policy.velocity(module, x, torch.full((b,), s), embeds_dev, height, width, guidance,
+        v = walk.velocity(st, policy.velocity(module, x, torch.full((b,), s), embeds_dev, height, width, spec.guidance,
                                               condition=cond_dev))
         rows = [r for r in range(b) if i in noisy[r]] if noise_level > 0 else []
         if len(rows) in (0, b):  # the whole batch takes the same kind of step
@@ -136,10 +122,10 @@ def sample_trajectories(
                 if lp is None or r not in at:
                     raise ValueError(f"trained step {i} is not an SDE step for sample {r}")
                 kept[r].append((x[r].cpu(), x_next[r].cpu(), lp[at[r]],
-                                mean[at[r]].float().cpu() if keep_mean else None))
+                                mean[at[r]].float().cpu() if spec.keep_mean else None))
         x = x_next
     images = policy.decode(x, height, width)
-    positions = list(range(b)) if positions is None else list(positions)
+    positions = list(range(b)) if batch.positions is None else list(batch.positions)
     kept_steps = {}
     if train_steps:
         kept_steps = dict(
@@ -147,15 +133,17 @@ def sample_trajectories(
             x_t=torch.stack([torch.stack([k[0] for k in ks]) for ks in kept]),
             x_next=torch.stack([torch.stack([k[1] for k in ks]) for ks in kept]),
             log_prob=torch.stack([torch.stack([k[2] for k in ks]) for ks in kept]),
-            mean_old=torch.stack([torch.stack([k[3] for k in ks]) for ks in kept]) if keep_mean else None,
+            mean_old=torch.stack([torch.stack([k[3] for k in ks]) for ks in kept]) if spec.keep_mean else None,
             sigma=torch.stack([sigmas[ts] for ts in trained]),
             sigma_next=torch.stack([sigmas[[j + 1 for j in ts]] for ts in trained]),
             sigma_max=sigmas[1].expand(b).clone())
-    return Trajectory(prompts=list(prompts), metadata=list(metadata) if metadata is not None else [{} for _ in range(b)],
-                      positions=positions, group_ids=list(group_ids) if group_ids is not None else list(positions),
-                      height=height, width=width, embeds=embeds.to("cpu"), images=images,
-                      condition=condition.to("cpu") if condition is not None else None,
-                      x_final=x.cpu() if keep_final else None, **kept_steps)
+    return Trajectory(prompts=list(batch.prompts),
+                      metadata=list(batch.metadata) if batch.metadata is not None else [{} for _ in range(b)],
+                      positions=positions,
+                      group_ids=list(batch.group_ids) if batch.group_ids is not None else list(positions),
+                      height=height, width=width, embeds=batch.embeds.to("cpu"), images=images,
+                      condition=batch.condition.to("cpu") if batch.condition is not None else None,
+                      x_final=x.cpu() if spec.keep_final else None, **kept_steps)
 
 
 class OdeWalk:
@@ -173,32 +161,33 @@ class OdeWalk:
 
 
 @torch.no_grad()
-def ode_prefix(policy: Policy, module: nn.Module, x: torch.Tensor, embeds: TextEmbeds, height: int, width: int, *,
-               num_steps: int, plan: list[Step], ends: list[int], guidance: float, sde_fn: Callable = sde_step,
-               sde_type: str = "flow_grpo", condition: Condition | None = None) -> list[dict[int, torch.Tensor]]:
-    """The ODE steps of `plan` from x (at index 0) for each sample r up to schedule index ends[r]:
-    per sample, its latent (on CPU) at each index the plan reaches on the way, ends[r] included."""
-    sigmas = policy.sigmas(num_steps, height, width)
-    embeds_dev = embeds.to(policy.device)
-    cond_dev = condition.to(policy.device) if condition is not None else None
+def ode_prefix(policy: Policy, module: nn.Module, spec: SamplingSpec, batch: RolloutBatch,
+               ends: list[int]) -> list[dict[int, torch.Tensor]]:
+    """The ODE steps of the spec's plan from the batch's initial latents (at index 0) for each sample r
+    up to schedule index ends[r]: per sample, its latent (on CPU) at each index the plan reaches on
+    the way, ends[r] included."""
+    sigmas = policy.sigmas(spec.num_steps, batch.height, batch.width)
+    embeds_dev = batch.embeds.to(policy.device)
+    cond_dev = batch.condition.to(policy.device) if batch.condition is not None else None
+    x = batch.initial_latents
     out = [{0: x[r].cpu()} for r in range(len(ends))]
     walk = OdeWalk(sigmas)
-    for st in plan:
+    for st in spec.plan:
         if st.k > max(ends):
             break
         v = walk.velocity(st, policy.velocity(module, x, torch.full((x.shape[0],), sigmas[st.i].item()), embeds_dev,
-                                              height, width, guidance, condition=cond_dev))
-        x = sde_fn(x, v, sigmas[st.i].item(), sigmas[st.k].item(), 0.0, sigmas[1].item(),
-                   sde_type=sde_type).prev_sample.to(x.dtype)
+                                              batch.height, batch.width, spec.guidance, condition=cond_dev))
+        x = spec.sde_fn(x, v, sigmas[st.i].item(), sigmas[st.k].item(), 0.0, sigmas[1].item(),
+                        sde_type=spec.sde_type).prev_sample.to(x.dtype)
         for r, end in enumerate(ends):
             if st.k <= end:
                 out[r][st.k] = x[r].cpu()
     return out
 
 
-def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, guidance: float,
-                        noise_level: float, sde_type: str = "flow_grpo", sde_fn: Callable = sde_step):
-    """Recompute log pi(x_{j+1} | x_j) for trained step index t of samples `idx` through `module`.
+def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, spec: SamplingSpec):
+    """Recompute log pi(x_{j+1} | x_j) for trained step index t of samples `idx` through `module`,
+    with the guidance and SDE of `spec` (those the trajectory was sampled with).
 
     Returns the SDEStep (log_prob, mean, std); with grad if the caller enables it.
     """
@@ -206,9 +195,9 @@ def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: 
     x = traj.x_t[idx, t].to(dev)
     cond = traj.condition.select(idx).to(dev) if traj.condition is not None else None
     v = policy.velocity(module, x, traj.sigma[idx, t], traj.embeds.select(idx).to(dev), traj.height, traj.width,
-                        guidance, condition=cond)
-    return sde_fn(x, v, traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), noise_level,
-                  traj.sigma_max[idx].to(dev), prev_sample=traj.x_next[idx, t].to(dev), sde_type=sde_type)
+                        spec.guidance, condition=cond)
+    return spec.sde_fn(x, v, traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), spec.noise_level,
+                       traj.sigma_max[idx].to(dev), prev_sample=traj.x_next[idx, t].to(dev), sde_type=spec.sde_type)
 
 
 def gather_samples(entries: list[tuple[Trajectory, int]]) -> Trajectory:

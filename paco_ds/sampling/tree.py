@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paco_ds.models.base import Condition, Policy, TextEmbeds
+from paco_ds.models.base import Policy
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import Trajectory, make_generator
 
 ZERO_STD = 1e-6  # the reference's threshold under which a depth's nodes all get advantage 0
@@ -90,9 +91,11 @@ class TreeCache:
     """The epoch's nodes on this rank, keyed by (group, height, width, depth, node): the latent at the
     node's next split step (at the end of sampling for a leaf), the velocity there once a child needed
     it, and, for every node below the root, the step that created it (x_t, x_next, log pi_old and,
-    when kept, the transition mean)."""
+    when kept, the transition mean). `seed` keys the trees' latents and noise; each node splits into
+    `branches` children."""
 
-    def __init__(self):
+    def __init__(self, seed: int, branches: int):
+        self.seed, self.branches = seed, branches
         self.nodes: dict[tuple, dict] = {}
         self.epoch = None
 
@@ -103,14 +106,15 @@ class TreeCache:
 
 
 @torch.no_grad()
-def sample_tree(policy: Policy, module, picks, embeds: TextEmbeds, h: int, w: int, *, cfg, epoch: int, sde_fn,
-                nodes: dict[tuple, dict], condition: Condition | None = None, keep_mean: bool = False,
-                keep_final: bool = False) -> tuple[Trajectory, int]:
-    """(the batch's leaves as a Trajectory whose trained steps are the tree's splits, transformer
-    calls made). `picks`: the leaves (their group and `member`, the leaf index); `nodes`: the epoch's
-    TreeCache, whose nodes are reused and extended."""
-    s = cfg.sample
-    n, splits, b = s.num_steps, list(s.noise_steps), s.tree.branches
+def sample_tree(policy: Policy, module, spec: SamplingSpec, batch: RolloutBatch, members: list[int],
+                tree: TreeCache, epoch: int) -> tuple[Trajectory, int]:
+    """(the batch's leaves as a Trajectory whose trained steps are the tree's splits, the spec's
+    noise steps; transformer calls made). The batch's samples are leaves: their group (`group_ids`)
+    and leaf index (`members`); `tree`: the epoch's nodes, reused and extended."""
+    n, splits, b = spec.num_steps, list(spec.noise_steps), tree.branches
+    seed, nodes = tree.seed, tree.for_epoch(epoch)
+    h, w, condition, embeds = batch.height, batch.width, batch.condition, batch.embeds
+    leaves = list(zip(batch.group_ids, members))  # (group, member) of each row
     levels = len(splits)
     dev = policy.device
     sigmas = policy.sigmas(n, h, w)
@@ -120,10 +124,10 @@ def sample_tree(policy: Policy, module, picks, embeds: TextEmbeds, h: int, w: in
     def velocity(x, i, rows):
         cond = condition.select(rows).to(dev) if condition is not None else None
         return policy.velocity(module, x, torch.full((x.shape[0],), sigmas[i].item()), embeds.select(rows).to(dev),
-                               h, w, s.guidance_scale, condition=cond)
+                               h, w, spec.guidance, condition=cond)
 
     for depth in range(levels + 1):
-        keys = [(p.group, h, w, depth, ancestor(p.member, depth, b, levels)) for p in picks]
+        keys = [(g, h, w, depth, ancestor(m, depth, b, levels)) for g, m in leaves]
         todo: dict[tuple, int] = {}  # a node not computed yet -> a batch row whose leaf lies below it
         for r, key in enumerate(keys):
             if key not in nodes:
@@ -132,7 +136,7 @@ def sample_tree(policy: Policy, module, picks, embeds: TextEmbeds, h: int, w: in
             continue
         rows, made = list(todo.values()), list(todo)
         if depth == 0:
-            x = policy.initial_latents(len(rows), h, w, [make_generator(cfg.seed, "latent", epoch, k[0]) for k in made])
+            x = policy.initial_latents(len(rows), h, w, [make_generator(seed, "latent", epoch, k[0]) for k in made])
             x = x.to(dev)
             created, start = [{} for _ in rows], 0
         else:
@@ -150,37 +154,37 @@ def sample_tree(policy: Policy, module, picks, embeds: TextEmbeds, h: int, w: in
             v = torch.stack([nodes[k]["v"] for k in unique])
             at = torch.tensor([unique.index(k) for k in parent_keys])
             x_t, v = x_parent[at], v[at]
-            noise = torch.stack([tree_noise(cfg.seed, epoch, g, depth, node, x_t.shape[1:])
+            noise = torch.stack([tree_noise(seed, epoch, g, depth, node, x_t.shape[1:])
                                  for g, _, _, _, node in made]).to(dev)
-            step = sde_fn(x_t, v, sigmas[j].item(), sigmas[j + 1].item(), s.noise_level, sigmas[1].item(), noise=noise,
-                          sde_type=s.sde_type)
+            step = spec.sde_fn(x_t, v, sigmas[j].item(), sigmas[j + 1].item(), spec.noise_level, sigmas[1].item(),
+                               noise=noise, sde_type=spec.sde_type)
             x = step.prev_sample.to(x_t.dtype)
             created = [dict(x_t=x_t[q].cpu(), x_next=x[q].cpu(), log_prob=step.log_prob[q].float().cpu(),
-                            mean=step.mean[q].float().cpu() if keep_mean else None) for q in range(len(rows))]
+                            mean=step.mean[q].float().cpu() if spec.keep_mean else None) for q in range(len(rows))]
             start = j + 1
         for i in range(start, ends[depth]):  # the ODE to the next split (or to the end)
             v = velocity(x, i, rows)
             calls += len(rows)
-            x = sde_fn(x, v, sigmas[i].item(), sigmas[i + 1].item(), 0.0, sigmas[1].item(),
-                       sde_type=s.sde_type).prev_sample.to(x.dtype)
+            x = spec.sde_fn(x, v, sigmas[i].item(), sigmas[i + 1].item(), 0.0, sigmas[1].item(),
+                            sde_type=spec.sde_type).prev_sample.to(x.dtype)
         for q, key in enumerate(made):
             nodes[key] = dict(created[q], end=x[q].cpu())
 
-    path = [[nodes[(p.group, h, w, d, ancestor(p.member, d, b, levels))] for d in range(1, levels + 1)] for p in picks]
-    final = torch.stack([nodes[(p.group, h, w, levels, p.member)]["end"] for p in picks])
-    bsz = len(picks)
+    path = [[nodes[(g, h, w, d, ancestor(m, d, b, levels))] for d in range(1, levels + 1)] for g, m in leaves]
+    final = torch.stack([nodes[(g, h, w, levels, m)]["end"] for g, m in leaves])
+    bsz = len(leaves)
     trained = dict(
         steps=torch.tensor([splits] * bsz, dtype=torch.int64),
         x_t=torch.stack([torch.stack([e["x_t"] for e in es]) for es in path]),
         x_next=torch.stack([torch.stack([e["x_next"] for e in es]) for es in path]),
         log_prob=torch.stack([torch.stack([e["log_prob"] for e in es]) for es in path]),
-        mean_old=torch.stack([torch.stack([e["mean"] for e in es]) for es in path]) if keep_mean else None,
+        mean_old=torch.stack([torch.stack([e["mean"] for e in es]) for es in path]) if spec.keep_mean else None,
         sigma=sigmas[splits].expand(bsz, -1).clone(),
         sigma_next=sigmas[[j + 1 for j in splits]].expand(bsz, -1).clone(),
         sigma_max=sigmas[1].expand(bsz).clone())
-    traj = Trajectory(prompts=[p.item.prompt for p in picks], metadata=[p.item.metadata for p in picks],
-                      positions=[p.position for p in picks], group_ids=[p.group for p in picks], height=h, width=w,
+    traj = Trajectory(prompts=list(batch.prompts), metadata=list(batch.metadata), positions=list(batch.positions),
+                      group_ids=list(batch.group_ids), height=h, width=w,
                       embeds=embeds.to("cpu"), images=policy.decode(final.to(dev), h, w),
                       condition=condition.to("cpu") if condition is not None else None,
-                      x_final=final if keep_final else None, **trained)
+                      x_final=final if spec.keep_final else None, **trained)
     return traj, calls

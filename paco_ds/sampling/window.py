@@ -1,8 +1,8 @@
 """The SDE window: which steps of a rollout are stochastic, log-probbed and trained.
 
-Without `sample.sde_window` the recipe's fixed `noise_steps` (and `train.timesteps`) hold. With it,
-`size` consecutive steps starting at an index in [range[0], range[1] - size] are the SDE steps and
-the trained steps; every other step is an ODE step.
+Without `sample.sde_window` the recipe's fixed `noise_steps` (and `train.timesteps`) hold, as the
+epoch's SamplingSpec has them. With it, `size` consecutive steps starting at an index in
+[range[0], range[1] - size] are the SDE steps and the trained steps; every other step is an ODE step.
 - `schedule: random` (Flow-GRPO-Fast): the start is drawn from a generator keyed by (seed, epoch)
   or (seed, epoch, prompt group), so a resumed run draws the same windows without storing them, and
   a sample's window does not depend on the world size or its batch.
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
+from paco_ds.sampling.spec import SamplingSpec
 from paco_ds.sampling.trajectory import make_generator
 
 
@@ -26,18 +27,19 @@ def window_start(cfg: Config, epoch: int, group: int | None = None) -> int:
     return lo + int(torch.randint(hi - win.size - lo + 1, (1,), generator=make_generator(*keys)))
 
 
-def rollout_steps(cfg: Config, epoch: int, groups: list[int], train_steps: list[int]):
-    """(noise_steps, train_steps) for a rollout batch of these prompt groups: shared lists, or one
-    list per sample when the window is drawn per group."""
+def rollout_steps(cfg: Config, spec: SamplingSpec, epoch: int, groups: list[int]):
+    """(noise_steps, train_steps) for a rollout batch of these prompt groups: the spec's (the
+    recipe's), or the window's, shared or one list per sample when the window is drawn per group. No
+    train steps where the spec keeps no log-probs."""
     win = cfg.sample.sde_window
     if win is None:
-        return list(cfg.sample.noise_steps), list(train_steps)
+        return list(spec.noise_steps), list(spec.train_steps)
     if win.per == "epoch":
         s = window_start(cfg, epoch)
         steps = list(range(s, s + win.size))
-        return steps, steps
+        return steps, steps if spec.keep_log_probs else []
     per = [list(range(s, s + win.size)) for s in (window_start(cfg, epoch, g) for g in groups)]
-    return per, per
+    return per, per if spec.keep_log_probs else []
 
 
 def sliding_start(first: int, last: int, moves: int, stride: int, roll_back: bool) -> int:

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from paco_ds.errors import ConfigError, exit_on_user_error
-from paco_ds.serving.config import API_KEY_ENV
+from paco_ds.recipe.servers import API_KEY_ENV
 from paco_ds.serving.protocol import (DEFAULT_MAX_IMAGE_PIXELS, ApiError, check_image_count, check_image_pixels,
                                      install_common, read_json, serve)
 

@@ -36,9 +36,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from paco_ds.dtypes import DTYPES, resolve_dtype
+from paco_ds.runtime.dtypes import DTYPES, resolve_dtype
 from paco_ds.errors import ConfigError
-from paco_ds.serving.config import API_KEY_ENV
+from paco_ds.recipe.servers import API_KEY_ENV
 from paco_ds.serving.protocol import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_PREPARE_MEMORY_MB, PREPARE_BYTES_PER_PIXEL,
                                      ApiError, ChatCompletionRequest, MemoryBudget, Message, check_image_count,
                                      check_image_pixels, decode_data_uri,
@@ -556,7 +556,7 @@ def main(argv=None) -> None:
         log.error("cannot load model %s: %s", args.model, err)
         raise SystemExit(2) from None
     if args.max_logprobs > engine.vocab_size:  # refused as vLLM's config check refuses it, before serving
-        from paco_ds.serving.config import logprobs_above_vocab
+        from paco_ds.recipe.servers import logprobs_above_vocab
 
         log.error("%s", logprobs_above_vocab("--max-logprobs", args.max_logprobs, args.served_model_name,
                                              engine.vocab_size))

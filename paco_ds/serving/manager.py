@@ -27,8 +27,8 @@ from typing import Callable, Iterator
 import httpx
 
 from paco_ds.errors import ConfigError, UserError
-from paco_ds.processes import Group, alive, start_time, stop_groups
-from paco_ds.serving.config import ServersConfig
+from paco_ds.runtime.processes import Group, alive, start_time, stop_groups
+from paco_ds.recipe.servers import ServersConfig
 from paco_ds.serving.vllm import PYTHON_ENV, on_cpu, split_gpus, vllm_command, vllm_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -366,14 +366,14 @@ def started_for_run(cfg: ServersConfig | None, run_dir: str | Path, local_rank: 
     if cfg is None or os.environ.get("PACO_REWARD_ENDPOINTS", "").strip():  # launch/cluster.py runs the judges
         yield
         return
-    from paco_ds.distributed import all_gather_object
+    from paco_ds.runtime.distributed import all_gather_object
 
     state_dir = run_state_dir(run_dir)
     owner = local_rank == 0
     error = None
     previous = None
     started = False  # stop only servers this run started: a refused start must not stop another run's
-    from paco_ds import stopping
+    from paco_ds.runtime import stopping
 
     control = stopping.current()  # a trainer's stop handling: it raises SystemExit, or forces an exit
 

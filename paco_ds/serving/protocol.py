@@ -26,6 +26,8 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from paco_ds.recipe.servers import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_PREPARE_MEMORY_MB
+
 log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -111,8 +113,6 @@ def check_image_count(body: Any, max_images: int) -> None:
 PREPARE_BYTES_PER_PIXEL = 20
 # The largest image a judge decodes: a 4096x4096 square (about 340 MB to prepare). The judge sees
 # 512-2048 px renders; anything much larger is a mistake or an attack, refused from its header.
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-DEFAULT_PREPARE_MEMORY_MB = 1024
 _HEADER_B64_CHARS = 1 << 16  # enough base64 for a PNG's IHDR or a JPEG's SOF after common EXIF
 
 

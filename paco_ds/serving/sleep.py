@@ -170,7 +170,7 @@ class ColocatedJudges:
 
         import torch
 
-        from paco_ds.distributed import any_true, barrier
+        from paco_ds.runtime.distributed import any_true, barrier
 
         key = "wake" if wake else "sleep"
         out = {f"judge/{key}s": 0.0, f"judge/{key}_s": 0.0}

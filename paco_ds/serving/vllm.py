@@ -22,7 +22,7 @@ import sys
 from typing import Mapping
 
 from paco_ds.errors import ConfigError
-from paco_ds.serving.config import ServedModel, ServersConfig
+from paco_ds.recipe.servers import ServedModel, ServersConfig
 
 MIN_LOGPROBS = 20  # the rewards ask for the top 20 first-token logprobs
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"

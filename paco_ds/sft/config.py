@@ -1,4 +1,4 @@
-"""The reward-model SFT recipe: a typed schema loaded with paco_ds.recipe.load_recipe.
+"""The reward-model SFT recipe: a typed schema loaded with paco_ds.recipe.loader.load_recipe.
 
 `load_config(path, overrides, schema=SFTConfig)` gives the GRPO recipes' machinery: `extends:`,
 `--set a.b=c`, file:line error messages and unknown-key suggestions. Defaults are the reference
@@ -11,8 +11,8 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from paco_ds.config import DeepSpeedSection, KernelsConfig, Recipe, Section, WandbConfig, wandb_boolean_form
-from paco_ds.recipe import load_recipe
+from paco_ds.recipe.schema import DeepSpeedSection, KernelsConfig, Recipe, Section, WandbConfig, wandb_boolean_form
+from paco_ds.recipe.loader import load_recipe
 
 QWEN_2_5_VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -122,7 +122,7 @@ class SFTWandbConfig(WandbConfig):
 
 class SFTLoggingConfig(Section):
     tensorboard: bool = True
-    wandb: SFTWandbConfig | None = None  # as GRPO's logging.wandb (paco_ds/config.py)
+    wandb: SFTWandbConfig | None = None  # as GRPO's logging.wandb (paco_ds/recipe/schema.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -55,7 +55,7 @@ def _read_json_records(path: Path, key: str) -> list:
         raise DataError(f"{key}: data file not found: {path}")
     if path.suffix == ".jsonl":
         return [rec for _, rec in read_jsonl(path)]
-    from paco_ds.recipe import read_text_utf8
+    from paco_ds.recipe.loader import read_text_utf8
 
     text = read_text_utf8(path, DataError)
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from paco_ds.dtypes import resolve_dtype
+from paco_ds.runtime.dtypes import resolve_dtype
 from paco_ds.errors import UserError
 from paco_ds.sft.config import SFTConfig
 from paco_ds.sft.model import base_path, load_model, load_processor, write_tiny_base
@@ -61,7 +61,7 @@ def merge_adapter(cfg: SFTConfig, adapter_dir: Path, out_dir: Path, device: str 
 
 def resolve_adapter(cfg: SFTConfig, checkpoint: str | None, adapter: str | None) -> Path:
     """--adapter DIR, else the adapter inside --checkpoint (default: the latest of the recipe's run)."""
-    from paco_ds.checkpoint import LATEST
+    from paco_ds.runtime.checkpoint import LATEST
 
     if adapter:
         return Path(adapter)

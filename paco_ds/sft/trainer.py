@@ -28,14 +28,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from paco_ds.checkpoint import CheckpointManager
-from paco_ds.dtypes import resolve_dtype
-from paco_ds.distributed import (DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed,
+from paco_ds.runtime.checkpoint import CheckpointManager
+from paco_ds.runtime.dtypes import resolve_dtype
+from paco_ds.runtime.distributed import (DistInfo, all_gather_object, all_reduce_mean, barrier, setup_distributed,
                                  shutdown_distributed)
-from paco_ds.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
+from paco_ds.runtime.engine import build_ds_config, create_engine, load_ds_config, partition_report, zero_stage
 from paco_ds.errors import DataError, TrainingDiverged
-from paco_ds.metrics import MetricsLogger, own_wandb_run
-from paco_ds.recipe import recipe_to_yaml
+from paco_ds.runtime.metrics import MetricsLogger, own_wandb_run
+from paco_ds.recipe.loader import recipe_to_yaml
 from paco_ds.sft import data as sft_data
 from paco_ds.sft.config import SFTConfig
 from paco_ds.sft.loss import first_token_weights, sequence_stats
@@ -340,7 +340,7 @@ _TRAJECTORY_KEYS = ("lora.alpha", "lora.dropout", "train.learning_rate", "train.
 
 def resume_settings(cfg: SFTConfig) -> dict:
     """The recipe values a checkpoint records so that a resume can be compared with them."""
-    from paco_ds.resume_settings import recorded
+    from paco_ds.recipe.resume import recorded
 
     return recorded(cfg.model_dump(mode="json"), _SHAPE_KEYS + _TRAJECTORY_KEYS)
 
@@ -350,7 +350,7 @@ def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
     recipe's; return the other recorded settings that differ ('key: old -> new, ...', or '')."""
     import json
 
-    from paco_ds.resume_settings import compare, saved_recipe
+    from paco_ds.recipe.resume import compare, saved_recipe
 
     saved = saved_recipe(path)
     if not saved:  # a checkpoint written before the recipe was recorded: its adapter config has the rank
@@ -364,12 +364,12 @@ def check_resume_settings(cfg: SFTConfig, path: Path) -> str:
 
 def run(cfg: SFTConfig, resume: str | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from paco_ds import stopping
+    from paco_ds.runtime import stopping
 
     # As GRPO runs: a signal or the launcher's end stops this rank (SFT saves no preemption
     # checkpoint: it resumes from its last periodic one), and a rank whose peer failed waits for
-    # the launcher so that the run's status is the failed rank's (paco_ds.distributed.exit_after_peer).
-    from paco_ds.metrics import check_wandb
+    # the launcher so that the run's status is the failed rank's (paco_ds.runtime.distributed.exit_after_peer).
+    from paco_ds.runtime.metrics import check_wandb
 
     check_wandb(cfg.logging.wandb)  # before anything starts
     stopping.install(save_first=False)
@@ -378,7 +378,7 @@ def run(cfg: SFTConfig, resume: str | None = None) -> None:
     from paco_ds.models.attention import check_attn_implementation
 
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation", dist.device)
-    from paco_ds.runlock import fit_in_run_dir
+    from paco_ds.runtime.runlock import fit_in_run_dir
 
     # One run per run directory, as GRPO runs; a full disk or a deleted run directory is one line.
     fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: SFTTrainer(cfg, dist), resume)

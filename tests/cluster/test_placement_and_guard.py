@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from paco_ds.cluster import parse_hostfile, place
-from paco_ds.config import ClusterConfig
+from paco_ds.launchers.cluster import parse_hostfile, place
+from paco_ds.recipe.schema import ClusterConfig
 from paco_ds.errors import ConfigError
 from paco_ds.serving.routing import choose, is_local, parse
 from tests.distributed_runs import REPO, TINY, cpu_env
@@ -126,7 +126,7 @@ def test_dry_run_bad_hostfile_is_one_line(tmp_path):
 def test_a_run_without_a_token_makes_its_own_and_the_plan_hides_it(tmp_path):
     """Judges listen on the hosts' addresses, where /sleep and /wake_up need a token: a colocated
     run must not depend on the user exporting one, and a dry run must not print it."""
-    from paco_ds.cluster import ensure_token
+    from paco_ds.launchers.cluster import ensure_token
 
     env: dict[str, str] = {}
     ensure_token("PACO_REWARD_API_KEY", env)
@@ -149,14 +149,14 @@ def test_a_run_without_a_token_makes_its_own_and_the_plan_hides_it(tmp_path):
 GUARDED_LAUNCHER = """
 import json, os, subprocess, sys, time
 from pathlib import Path
-from paco_ds.processes import start_time
+from paco_ds.runtime.processes import start_time
 state = Path(sys.argv[1])
 trainers = subprocess.Popen(["sleep", "600"], start_new_session=True)
 transport = subprocess.Popen(["sleep", "600"], start_new_session=True)
 state.write_text(json.dumps({"ssh_port": None, "trainers": trainers.pid, "trainers_started": start_time(trainers.pid),
                              "judges": [{"host": "node-0", "log": str(state.parent / "no-pid-yet.log"),
                                          "transport": transport.pid, "transport_started": start_time(transport.pid)}]}))
-guard = subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), str(os.getpid())],
+guard = subprocess.Popen([sys.executable, "-m", "paco_ds.launchers.cluster", "--reap", str(state), str(os.getpid())],
                          start_new_session=True)
 print(trainers.pid, transport.pid, guard.pid, flush=True)
 time.sleep(600)
@@ -197,7 +197,7 @@ def test_the_guard_stops_what_a_killed_launcher_started(tmp_path):
 def test_the_guard_leaves_when_the_launcher_cleaned_up(tmp_path):
     state = tmp_path / "processes.json"
     state.write_text('{"ssh_port": null, "trainers": null, "judges": []}')
-    guard = subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), str(os.getpid())],
+    guard = subprocess.Popen([sys.executable, "-m", "paco_ds.launchers.cluster", "--reap", str(state), str(os.getpid())],
                              cwd=REPO, env=cpu_env(), stderr=subprocess.PIPE, text=True)
     state.unlink()  # what close() does when everything is stopped
     assert guard.wait(timeout=60) == 0

@@ -329,7 +329,7 @@ def test_other_formats_and_suffixes(tmp_path):
         load_prompts(tmp_path / "x.txt", "edit")
     items = load_prompts(REPO / "paco_ds/data/prompts/tiny_t2is_train.jsonl", "t2is")
     assert items[0].image is None and items[0].where.endswith("tiny_t2is_train.jsonl:1")
-    from paco_ds.config import DataConfig
+    from paco_ds.recipe.schema import DataConfig
 
     assert DataConfig(format="edit", train_file="x").format == "edit"
 

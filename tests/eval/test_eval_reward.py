@@ -11,7 +11,7 @@ from paco_ds.eval import reward_bench
 from paco_ds.eval.benchmarks import make_tiny_consistency_rank, make_tiny_edit_reward
 from paco_ds.eval.judge import LocalJudge, ServedJudge
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 
 
 MODEL = "paco-reward-tiny"

@@ -9,7 +9,7 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, run_cli
-from paco_ds.report import change, series, write_report
+from paco_ds.report.page import change, series, write_report
 
 pytestmark = pytest.mark.fast
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import policy_class, with_family_defaults
 from paco_ds.models.base import Policy
 from paco_ds.models.lora import add_lora
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 PROMPTS = ["a red fox on a bench", "two cats in the snow"]
@@ -40,11 +41,11 @@ def family_round_trip(family: str, device: torch.device, dtype: str, guidance: f
     condition = policy.encode_condition(reference_images(len(PROMPTS)), SIZE, SIZE) if editing else None
     embeds = policy.encode_prompts(PROMPTS, condition)
     with torch.no_grad():
-        traj = sample_trajectories(policy, policy.transformer, PROMPTS, embeds, SIZE, SIZE, num_steps=4,
-                                   guidance=guidance, noise_level=0.7, noise_steps=[1], train_steps=[1],
-                                   generators=[make_generator(0, i) for i in range(len(PROMPTS))],
-                                   condition=condition)
-    step = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], guidance=guidance, noise_level=0.7)
+        spec = SamplingSpec(num_steps=4, guidance=guidance, noise_level=0.7)
+        traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+            prompts=PROMPTS, embeds=embeds, height=SIZE, width=SIZE, condition=condition,
+            generators=[make_generator(0, i) for i in range(len(PROMPTS))], noise_steps=[1], train_steps=[1]))
+    step = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], spec=spec)
     (-step.log_prob.mean()).backward()
     grads = [p.grad for n, p in policy.transformer.named_parameters() if "lora_" in n and p.requires_grad]
     return {"editing": editing, "images": traj.images, "sampled": traj.log_prob[:, 0].float().cpu(),

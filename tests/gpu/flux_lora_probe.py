@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
-from paco_ds.config import LoraConfig  # noqa: E402
+from paco_ds.recipe.schema import LoraConfig  # noqa: E402
 from paco_ds.models.flux import FluxPolicy  # noqa: E402
 from paco_ds.models.attention import set_attention_backend  # noqa: E402
 from paco_ds.models.lora import add_lora  # noqa: E402

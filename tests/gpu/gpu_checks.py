@@ -57,7 +57,7 @@ def check_advantages_dtype(dtype, log_tame=None, global_std=True, device="cuda",
     (torch) on the same rounded rewards. The op has no backward: the advantages are constants of
     the loss, so they never carry a graph even when the rewards do."""
     import kernels
-    from paco_ds.config import AdvantageConfig, AggregationConfig
+    from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
     from paco_ds.grpo.advantages import StatTracker
 
     rewards, weights, ids = advantage_case(seed)

@@ -1,5 +1,5 @@
 """What the GPU lane's stages check on their outputs (tests/gpu/run_lane.sh), as functions a CPU test runs on
-a CPU run's outputs too (tests/test_gpu_lane_cpu.py).
+a CPU run's outputs too (tests/lanes/test_gpu_lane_cpu.py).
 
     python tests/gpu/lane_checks.py grpo RUN_DIR                 # the grpo stage's run
     python tests/gpu/lane_checks.py bench JSON [--missed FILE]   # the bench stage's results

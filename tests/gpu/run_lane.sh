@@ -150,7 +150,7 @@ stage_deps() {
         return 0
     fi
     "$PY" tests/gpu/bundle.py install --dir .whl --target "$SITE" || return 1
-    "$PY" -c "import deepspeed, diffusers, open_clip, openai, fastapi, uvicorn, pydantic, kernels, paco_ds.config; \
+    "$PY" -c "import deepspeed, diffusers, open_clip, openai, fastapi, uvicorn, pydantic, kernels, paco_ds.recipe.schema; \
 print('imports ok: deepspeed', deepspeed.__version__, 'from', deepspeed.__file__)"
 }
 

@@ -4,7 +4,7 @@ where the `flash` extra is installed), within bf16's rounding (2e-2 of the outpu
 import pytest
 import torch
 
-from paco_ds.config import ModelConfig
+from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.attention import check_attention_backend, set_attention_backend
 from paco_ds.models.flux import FluxPolicy
 

@@ -13,8 +13,9 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from paco_ds.config import LossSection
+from paco_ds.recipe.schema import LossSection
 from paco_ds.grpo.losses.base import Loss
+from paco_ds.sampling.spec import SamplingSpec
 from paco_ds.sampling.trajectory import transition_log_prob
 
 
@@ -34,8 +35,7 @@ class Reinforce(Loss):
 
     def __init__(self, cfg, policy):
         super().__init__(cfg, policy)
-        self.log_prob = partial(transition_log_prob, policy, guidance=cfg.sample.guidance_scale,
-                                noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+        self.log_prob = partial(transition_log_prob, policy, spec=SamplingSpec.training(cfg, self.sde, self.needs))
 
     def __call__(self, module, batch, t):
         step = self.log_prob(module, batch, t, slice(None))

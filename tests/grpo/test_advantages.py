@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paco_ds.config import AdvantageConfig, AggregationConfig
+from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
 from paco_ds.errors import ConfigError, RewardError
 from paco_ds.grpo.advantages import StatTracker, group_ranks
 from paco_ds.rewards.aggregate import aggregate
@@ -313,7 +313,7 @@ def test_epoch_rewards_are_in_epoch_order_and_each_rank_gets_its_own_back():
 def test_epoch_reward_parts_one_rank_lacks_are_nan_there(monkeypatch):
     """Two ranks whose samples have different parts (a multi-image edit's `input2` only where that
     rank drew one): the gathered part spans the epoch, NaN for the other rank's samples."""
-    from paco_ds import distributed
+    from paco_ds.runtime import distributed
     from paco_ds.grpo.advantages import EpochRewards
 
     other = {"positions": np.array([1]), "groups": np.array([0]), "valid": np.array([True]),

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from paco_ds.config import AdvantageConfig, AggregationConfig
+from paco_ds.recipe.schema import AdvantageConfig, AggregationConfig
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.advantages import StatTracker
 from paco_ds.rewards.aggregate import aggregate

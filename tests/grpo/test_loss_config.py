@@ -55,7 +55,7 @@ REINFORCE = "tests/grpo/reinforce.yaml"  # train.loss: tests.grpo.reinforce_loss
 
 
 def test_a_loss_outside_paco_ds_brings_its_own_section():
-    from paco_ds import config
+    from paco_ds.recipe import schema as config
     from tests.grpo.reinforce_loss import ReinforceConfig
 
     cfg = load_config(REINFORCE)
@@ -73,11 +73,11 @@ def test_a_loss_outside_paco_ds_brings_its_own_section():
 
 
 def test_a_loss_without_a_section_of_its_own_or_with_a_taken_name():
-    # a subclass of a built-in loss shares its section (tests/test_registries.py's OwnLoss)
-    assert load_config(TINY, ["train.loss=test_registries:OwnLoss"]).train.loss_section.clip_range == 0.01
+    # a subclass of a built-in loss shares its section (tests/recipe/outside.py's OwnLoss)
+    assert load_config(TINY, ["train.loss=tests.recipe.outside:OwnLoss"]).train.loss_section.clip_range == 0.01
     assert "cannot import loss 'no_such:X'" in _error(TINY, ["train.loss=no_such:X"])
     assert "names no loss: write 'module:attr'" in _error(TINY, ["train.loss=:PPOClip"])
-    assert "its name 'ema' is not an identifier of its own" in _error(TINY, ["train.loss=test_registries:LossNamedLikeATrainKey"])
+    assert "its name 'ema' is not an identifier of its own" in _error(TINY, ["train.loss=tests.recipe.outside:LossNamedLikeATrainKey"])
 
 
 @pytest.mark.parametrize("key, value", [("clip_range", "0.2"), ("ratio_norm", "true")])

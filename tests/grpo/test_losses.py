@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from kernels.sde_reference import sde_step
+from paco_ds.grpo.losses.base import RolloutNeeds
 from paco_ds.grpo.losses.nft import nft_loss, old_policy_decay, optimality_weight
 from paco_ds.grpo.losses.ppo import ratio_norm
 from paco_ds.grpo.plan import load_config
+from paco_ds.sampling.spec import SamplingSpec
 from paco_ds.sampling.window import rollout_steps, window_start
 
 pytestmark = pytest.mark.fast
@@ -73,15 +76,21 @@ def test_ratio_norm_removes_the_bias_of_the_gaussian_log_ratio():
     assert torch.allclose(z.double(), (0.01 * d * eps).mean(1).double(), atol=1e-6)
 
 
+def training_spec(cfg, log_probs=True):
+    return SamplingSpec.training(cfg, sde_step, RolloutNeeds(log_probs=log_probs))
+
+
 def test_sde_window_is_seeded_in_range_and_per_group():
     cfg = load_config(TINY, ["sample.sde_window={size: 2, range: [0, 5]}", "sample.num_steps=6"])
     starts = {window_start(cfg, e) for e in range(50)}
     assert starts <= {0, 1, 2, 3} and len(starts) == 4  # starts in [0, 5 - 2]
     assert window_start(cfg, 7) == window_start(cfg, 7)
-    noise, train = rollout_steps(cfg, 7, [0, 1], [])
+    noise, train = rollout_steps(cfg, training_spec(cfg), 7, [0, 1])
     assert noise == train == list(range(window_start(cfg, 7), window_start(cfg, 7) + 2))
+    noise, train = rollout_steps(cfg, training_spec(cfg, log_probs=False), 7, [0, 1])
+    assert len(noise) == 2 and train == []  # a loss that keeps no log-probs trains no step's transition
     cfg = load_config(TINY, ["sample.sde_window={size: 2, range: [0, 5], per: group}", "sample.num_steps=6"])
-    noise, _ = rollout_steps(cfg, 3, [4, 9, 4], [])
+    noise, _ = rollout_steps(cfg, training_spec(cfg), 3, [4, 9, 4])
     assert noise[0] == noise[2] and all(len(n) == 2 for n in noise)
     assert noise[1] == list(range(window_start(cfg, 3, 9), window_start(cfg, 3, 9) + 2))
 
@@ -106,7 +115,7 @@ def test_a_sliding_window_follows_mixgrpos_progressive_schedule(tau, stride, rol
     starts = [window_start(cfg, e) for e in range(40)]
     assert starts == [mixgrpo_start(e, tau, stride, 1, 7, roll_back) for e in range(40)]
     assert starts[0] == 1 and max(starts) <= 7 and len(set(starts)) > 1
-    noise, train = rollout_steps(cfg, 5, [0, 1, 2], [])
+    noise, train = rollout_steps(cfg, training_spec(cfg), 5, [0, 1, 2])
     assert noise == train == list(range(starts[5], starts[5] + 3))  # one window for every group
 
 

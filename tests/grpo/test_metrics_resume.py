@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from paco_ds.errors import DataError
-from paco_ds.metrics import MetricsLogger
+from paco_ds.runtime.metrics import MetricsLogger
 
 pytestmark = pytest.mark.fast
 

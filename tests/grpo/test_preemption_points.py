@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paco_ds import stopping
+from paco_ds.runtime import stopping
 from paco_ds.grpo.epoch import EpochProgress
 from paco_ds.grpo.preemption import Preemption
 

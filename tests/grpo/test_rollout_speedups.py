@@ -66,7 +66,7 @@ def picks_of(groups: list[int], k: int):
 
 
 def rollouts(policy, cfg, **kwargs):
-    return Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps, **kwargs)
+    return Rollouts(cfg, policy, needs=RolloutNeeds(log_probs=True), **kwargs)
 
 
 def test_fewer_ode_steps_keep_every_sde_step_and_its_log_prob(tiny_policy):
@@ -85,20 +85,21 @@ def test_fewer_ode_steps_keep_every_sde_step_and_its_log_prob(tiny_policy):
     assert err < 0.05, err
     # training recomputes log pi_old from the stored transition exactly, as with the plain sampler
     with torch.no_grad():
-        step = transition_log_prob(tiny_policy, tiny_policy.transformer, b, 0, slice(None), guidance=fast.sample.guidance_scale,
-                                   noise_level=fast.sample.noise_level, sde_fn=cheap.sde)
+        step = transition_log_prob(tiny_policy, tiny_policy.transformer, b, 0, slice(None), spec=cheap.spec(0))
     assert torch.equal(step.log_prob.float(), b.log_prob[:, 0])
 
 
 def test_a_trained_step_inside_a_shortened_stretch_is_refused(tiny_policy):
+    from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
     from paco_ds.sampling.trajectory import sample_trajectories
 
     cfg = cfg_with("sample.noise_steps=[1]")
     prompts = ["a red fox in snow"]
+    spec = SamplingSpec(num_steps=8, guidance=3.5, noise_level=0.7, plan=step_plan(8, [(2, 8)], ode_steps=2))
+    batch = RolloutBatch(prompts=prompts, embeds=tiny_policy.encode_prompts(prompts), height=SIZE, width=SIZE,
+                         generators=[torch.Generator().manual_seed(0)], noise_steps=[4], train_steps=[4])
     with pytest.raises(ValueError, match="inside an ODE stretch walked in fewer steps"):
-        sample_trajectories(tiny_policy, tiny_policy.transformer, prompts, tiny_policy.encode_prompts(prompts), SIZE,
-                            SIZE, num_steps=8, guidance=3.5, noise_level=0.7, noise_steps=[4], train_steps=[4],
-                            generators=[torch.Generator().manual_seed(0)], plan=step_plan(8, [(2, 8)], ode_steps=2))
+        sample_trajectories(tiny_policy, tiny_policy.transformer, spec, batch)
     assert cfg.sample.ode_steps is None  # the recipe's plan never does this: its stretches hold no SDE step
 
 

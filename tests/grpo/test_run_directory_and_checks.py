@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, one_line_error as _one_line_error, run_cli
-from paco_ds import processes
-from paco_ds.checkpoint import CheckpointManager, CorruptCheckpoint
+from paco_ds.runtime import processes
+from paco_ds.runtime.checkpoint import CheckpointManager, CorruptCheckpoint
 from paco_ds.errors import ConfigError, DataError, UserError
 from paco_ds.grpo.plan import check_recipe, load_config
-from paco_ds.runlock import LOCK_NAME, RunDirBusy, RunLock
+from paco_ds.runtime.runlock import LOCK_NAME, RunDirBusy, RunLock
 
 pytestmark = pytest.mark.fast
 
@@ -53,7 +53,7 @@ def _tree(d: Path) -> dict:
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from paco_ds.runlock import RunLock
+from paco_ds.runtime.runlock import RunLock
 RunLock({run!r}).acquire()
 print("locked", flush=True)
 time.sleep(120)
@@ -109,7 +109,7 @@ def test_a_second_run_into_an_owned_directory_exits_2_and_touches_nothing(holder
 def test_a_refused_start_does_not_stop_servers_it_did_not_start(tmp_path):
     """The servers another run recorded stay up when this run's start is refused."""
     from paco_ds.serving import manager
-    from paco_ds.serving.config import ServersConfig
+    from paco_ds.recipe.servers import ServersConfig
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

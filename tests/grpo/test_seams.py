@@ -8,6 +8,7 @@ import torch
 
 from paco_ds.models.base import Condition
 from paco_ds.rewards.base import Reward, RewardResult
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import (Trajectory, gather_samples, make_generator, sample_trajectories,
                                      training_batch, transition_log_prob)
 
@@ -43,15 +44,15 @@ def test_condition_reaches_every_forward_and_the_trained_batch(tiny_policy):
     policy = _ConditionedPolicy(tiny_policy)
     prompts = ["a red cube", "a blue ball"]
     cond = policy.encode_condition(_refs([10, 200], sizes=[(32, 48), (40, 20)]), 64, 64)
-    traj = sample_trajectories(policy, tiny_policy.transformer, prompts, tiny_policy.encode_prompts(prompts), 64, 64,
-                               num_steps=3, guidance=3.5, noise_level=0.7, noise_steps=[1], train_steps=[1],
-                               generators=[make_generator(0, i) for i in range(2)], condition=cond, keep_final=True)
+    spec = SamplingSpec(num_steps=3, guidance=3.5, noise_level=0.7, keep_final=True)
+    traj = sample_trajectories(policy, tiny_policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=tiny_policy.encode_prompts(prompts), height=64, width=64, condition=cond,
+        generators=[make_generator(0, i) for i in range(2)], noise_steps=[1], train_steps=[1]))
     assert len(policy.seen) == 3 and all(torch.equal(s, cond.latents[:, 0, 0]) for s in policy.seen)
     assert traj.condition.images is cond.images and traj.x_final.shape == traj.x_t[:, 0].shape
     # The recomputed log-prob of the rollout's own transition uses the same condition: it equals pi_old.
     with torch.no_grad():
-        step = transition_log_prob(policy, tiny_policy.transformer, traj, 0, slice(None), guidance=3.5,
-                                   noise_level=0.7)
+        step = transition_log_prob(policy, tiny_policy.transformer, traj, 0, slice(None), spec=spec)
     torch.testing.assert_close(step.log_prob.float(), traj.log_prob[:, 0], rtol=0, atol=1e-4)
     # A training batch assembled from single samples keeps each one's condition and advantage.
     batch = training_batch([(traj, 1), (traj, 0)], torch.tensor([-1.5, 0.5]), torch.tensor([False, True]))
@@ -63,8 +64,7 @@ def test_condition_reaches_every_forward_and_the_trained_batch(tiny_policy):
     wrong = replace(gather_samples([(traj, 0), (traj, 0)]),
                     condition=Condition(images=cond.images, latents=cond.latents[[1, 1]]))  # sample 1's condition
     with torch.no_grad():
-        other = transition_log_prob(policy, tiny_policy.transformer, wrong, 0, slice(None), guidance=3.5,
-                                    noise_level=0.7)
+        other = transition_log_prob(policy, tiny_policy.transformer, wrong, 0, slice(None), spec=spec)
     assert not torch.allclose(other.log_prob[0].float(), traj.log_prob[0, 0], atol=1e-3)
 
 
@@ -72,10 +72,12 @@ def test_a_rollout_is_complete_frozen_and_stacks_every_field(tiny_policy):
     """Per-group SDE windows: each sample carries its own trained steps; the sampler fills in the
     metadata, positions and groups; a stacked batch has every field, a subclass's new one too."""
     prompts = ["a red cube", "a blue ball"]
-    traj = sample_trajectories(tiny_policy, tiny_policy.transformer, prompts, tiny_policy.encode_prompts(prompts),
-                               64, 64, num_steps=4, guidance=3.5, noise_level=0.7, noise_steps=[[0, 1], [2, 3]],
-                               train_steps=[[0, 1], [2, 3]], generators=[make_generator(0, i) for i in range(2)],
-                               metadata=[{"k": 0}, {"k": 1}], positions=[7, 3], group_ids=[1, 0])
+    spec = SamplingSpec(num_steps=4, guidance=3.5, noise_level=0.7)
+    traj = sample_trajectories(tiny_policy, tiny_policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=tiny_policy.encode_prompts(prompts), height=64, width=64,
+        metadata=[{"k": 0}, {"k": 1}], positions=[7, 3], group_ids=[1, 0],
+        generators=[make_generator(0, i) for i in range(2)], noise_steps=[[0, 1], [2, 3]],
+        train_steps=[[0, 1], [2, 3]]))
     assert traj.steps.tolist() == [[0, 1], [2, 3]]
     assert (traj.metadata, traj.positions, traj.group_ids) == ([{"k": 0}, {"k": 1}], [7, 3], [1, 0])
     with pytest.raises(FrozenInstanceError):
@@ -116,7 +118,7 @@ class _RecordRefs(Reward):
 
 
 def test_rewards_receive_the_original_reference_images():
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.rewards.runner import RewardRunner
     from paco_ds.images import to_pil
 

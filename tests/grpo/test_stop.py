@@ -23,7 +23,7 @@ from distributed_runs import (DEEPSPEED, REPO, cpu_env, free_port, launch_cmd, m
                               wandb_env)
 from wandb_records import (exit_code, history, numbers, offline_runs, run_record, wandb_processes,
                            was_marked_preempting)
-from paco_ds.checkpoint import verify
+from paco_ds.runtime.checkpoint import verify
 
 pytestmark = pytest.mark.stop
 
@@ -172,8 +172,8 @@ def test_preemption_saves_and_resumes_to_the_uninterrupted_run(tmp_path):
     assert [wandb_rows[r["epoch"]] for r in metrics(run_dir)] == [numbers(r) for r in metrics(run_dir)]
 
 
-# A run that cannot write any more stops with one line naming the path (paco_ds/storage.py).
-VERIFY_LATEST = ("import json, sys; from pathlib import Path; from paco_ds.checkpoint import verify; "
+# A run that cannot write any more stops with one line naming the path (paco_ds/runtime/storage.py).
+VERIFY_LATEST = ("import json, sys; from pathlib import Path; from paco_ds.runtime.checkpoint import verify; "
                  "root = Path(sys.argv[1]) / 'checkpoints'; tag = (root / 'latest').read_text().strip(); "
                  "verify(root / tag); print('VERIFIED', tag)")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from paco_ds.storage import StorageError, storage_failure, writing
+from paco_ds.runtime.storage import StorageError, storage_failure, writing
 
 pytestmark = pytest.mark.fast
 
@@ -75,7 +75,7 @@ def test_other_errors_keep_their_traceback(tmp_path):
 SAVE_INTO_A_FULL_DISK = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
-    from paco_ds.checkpoint import CheckpointManager, verify
+    from paco_ds.runtime.checkpoint import CheckpointManager, verify
     from paco_ds.errors import UserError
     root = Path(sys.argv[1]) / "checkpoints"
     ckpt = CheckpointManager(root, keep_last=3, rank=0, world_size=1)
@@ -121,7 +121,7 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_last_one_intact(tmp_path):
 COPY_INTO_A_FULL_DISK = textwrap.dedent("""
     import json, shutil, sys, tempfile
     from pathlib import Path
-    from paco_ds.storage import storage_failure
+    from paco_ds.runtime.storage import storage_failure
     src = Path(tempfile.mkdtemp()) / "zero_to_fp32.py"  # outside the disk, like DeepSpeed's own copy
     src.write_bytes(b"#" * (1 << 20))
     run = Path(sys.argv[1]) / "run"
@@ -163,7 +163,7 @@ def test_a_checkpoint_is_on_the_disk_before_the_renames_publish_it(tmp_path, mon
     rename that makes each visible, and the checkpoints directory after both renames."""
     import os
 
-    from paco_ds.checkpoint import CheckpointManager
+    from paco_ds.runtime.checkpoint import CheckpointManager
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace

@@ -14,6 +14,7 @@ from paco_ds.grpo.epoch import EpochSamples
 from paco_ds.grpo.losses.base import RolloutNeeds
 from paco_ds.grpo.plan import load_config
 from paco_ds.sampling.rollouts import Pick, Rollouts
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, step_advantages, transition_log_prob
 from paco_ds.sampling.tree import ancestor, calls_per_tree, group_members, tree_advantages, tree_noise
 
@@ -40,16 +41,16 @@ def unshared(policy, cfg, picks, epoch):
             depth = s.noise_steps.index(i) + 1
             node = ancestor(p.member, depth, s.tree.branches, levels)
             return tree_noise(cfg.seed, epoch, p.group, depth, node, shape)
-        out.append(sample_trajectories(
-            policy, policy.transformer, [p.item.prompt], policy.encode_prompts([p.item.prompt]), SIZE, SIZE,
-            num_steps=s.num_steps, guidance=s.guidance_scale, noise_level=s.noise_level, noise_steps=s.noise_steps,
-            train_steps=s.noise_steps, generators=[torch.Generator()], initial_latents=x0, noise_fn=noise))
+        spec = SamplingSpec(num_steps=s.num_steps, guidance=s.guidance_scale, noise_level=s.noise_level)
+        out.append(sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+            prompts=[p.item.prompt], embeds=policy.encode_prompts([p.item.prompt]), height=SIZE, width=SIZE,
+            initial_latents=x0, noise_steps=s.noise_steps, train_steps=s.noise_steps, noise_fn=noise)))
     return out
 
 
 def test_the_leaves_equal_their_unshared_paths_and_every_node_is_computed_once(tiny_policy):
     cfg = load_config(TREE)
-    rollouts = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps)
+    rollouts = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True))
     picks = leaves(0, range(8))
     # two rollout batches of the same tree on one rank: the second reuses the first's shared nodes
     a = rollouts.sample(tiny_policy.transformer, picks[:3], SIZE, SIZE, epoch=0)
@@ -69,16 +70,14 @@ def test_the_leaves_equal_their_unshared_paths_and_every_node_is_computed_once(t
     assert not torch.equal(a.images[0], a.images[1])
     # training recomputes each leaf's stored log pi_old exactly
     with torch.no_grad():
-        step = transition_log_prob(tiny_policy, tiny_policy.transformer, b, 1, slice(None),
-                                   guidance=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
-                                   sde_fn=rollouts.sde)
+        step = transition_log_prob(tiny_policy, tiny_policy.transformer, b, 1, slice(None), spec=rollouts.spec(0))
     torch.testing.assert_close(step.log_prob.float(), b.log_prob[:, 1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_leaf_does_not_depend_on_the_batch_or_rank_that_samples_it(tiny_policy):
     cfg = load_config(TREE)
-    alone = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps)
-    together = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True), train_timesteps=cfg.train_timesteps)
+    alone = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True))
+    together = Rollouts(cfg, tiny_policy, needs=RolloutNeeds(log_probs=True))
     one = alone.sample(tiny_policy.transformer, leaves(1, [5]), SIZE, SIZE, epoch=3)
     many = together.sample(tiny_policy.transformer, leaves(1, [5, 4, 0]), SIZE, SIZE, epoch=3)
     torch.testing.assert_close(one.log_prob[0], many.log_prob[0], rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import torch
 from distributed_runs import REPO, TINY, cpu_env, free_port
 from torch._dynamo.utils import counters
 
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.flux import FluxPolicy
 from paco_ds.models.lora import add_lora

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from conftest import REPO, TINY, run_cli
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.plan import load_config
 from paco_ds.models import POLICIES, policy_class, with_family_defaults

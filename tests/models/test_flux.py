@@ -6,6 +6,7 @@ import torch
 from paco_ds.data import load_t2is_jsonl
 from paco_ds.images import grid_shape, split_panels, to_pil
 from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from conftest import REPO
 
@@ -14,11 +15,15 @@ pytestmark = pytest.mark.fast
 PROMPTS = REPO / "paco_ds" / "data" / "prompts" / "tiny_t2is_train.jsonl"
 
 
-def _rollout(policy, prompts, seeds, noise_steps=(1,), train_steps=(1,), size=64, steps=6, **kw):
-    embeds = policy.encode_prompts(prompts)
-    return sample_trajectories(policy, policy.transformer, prompts, embeds, size, size, num_steps=steps, guidance=3.5,
-                               noise_level=0.7, noise_steps=list(noise_steps), train_steps=list(train_steps),
-                               generators=[make_generator(0, 0, s) for s in seeds], **kw)
+SPEC = SamplingSpec(num_steps=6, guidance=3.5, noise_level=0.7)
+
+
+def _rollout(policy, prompts, seeds, noise_steps=(1,), train_steps=(1,), size=64, steps=6):
+    batch = RolloutBatch(prompts=prompts, embeds=policy.encode_prompts(prompts), height=size, width=size,
+                         generators=[make_generator(0, 0, s) for s in seeds], noise_steps=list(noise_steps),
+                         train_steps=list(train_steps))
+    spec = SamplingSpec(num_steps=steps, guidance=SPEC.guidance, noise_level=SPEC.noise_level)
+    return sample_trajectories(policy, policy.transformer, spec, batch)
 
 
 def test_rollout_keeps_only_what_training_needs(tiny_policy):
@@ -38,7 +43,7 @@ def test_recomputed_log_prob_equals_the_sampled_one(tiny_policy):
     prompts = [it.prompt for it in load_t2is_jsonl(PROMPTS)[:3]]
     traj = _rollout(tiny_policy, prompts, [3, 4, 5])
     for i in range(3):  # one sample at a time, as training does with batch size 1
-        step = transition_log_prob(tiny_policy, tiny_policy.transformer, traj, 0, [i], guidance=3.5, noise_level=0.7)
+        step = transition_log_prob(tiny_policy, tiny_policy.transformer, traj, 0, [i], spec=SPEC)
         assert torch.allclose(step.log_prob, traj.log_prob[[i], 0], rtol=0, atol=1e-5)
         assert torch.exp(step.log_prob - traj.log_prob[[i], 0]).item() == pytest.approx(1.0, abs=1e-5)
 

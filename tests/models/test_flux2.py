@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from conftest import REPO, assert_loaded_lora_matches, load_exported_lora, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.flux2 import Flux2Policy
 from paco_ds.models.flux2_klein import Flux2KleinPolicy
 from paco_ds.models.tiny.flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -136,9 +137,9 @@ def test_ode_sampling_and_decoding_are_the_pipelines(base, pipe, family, guidanc
     pol = base[family]
     gens = [make_generator(3, i) for i in range(2)]
     x0 = pol.initial_latents(2, h, w, gens)
-    traj = sample_trajectories(pol, pol.transformer, PROMPTS, pol.encode_prompts(PROMPTS), h, w, num_steps=4,
-                               guidance=guidance, noise_level=0.0, noise_steps=[], train_steps=[],
-                               generators=[make_generator(3, i) for i in range(2)], initial_latents=x0, keep_final=True)
+    traj = sample_trajectories(pol, pol.transformer, SamplingSpec(num_steps=4, guidance=guidance, keep_final=True),
+                               RolloutBatch(prompts=PROMPTS, embeds=pol.encode_prompts(PROMPTS), height=h, width=w,
+                                            initial_latents=x0))
     b, length, c = x0.shape  # the pipeline's latents: the patchified [B, 4C, h/2, w/2] our tokens pack
     call = dict(prompt=list(PROMPTS), height=h, width=w, num_inference_steps=4, guidance_scale=guidance,
                 latents=x0.permute(0, 2, 1).reshape(b, c, h // 16, w // 16), max_sequence_length=MAX_SEQ)
@@ -179,13 +180,14 @@ def test_dev_reads_the_guidance_embedding_and_klein_guides_by_cfg(base):
 @pytest.mark.parametrize("family, guidance", [("flux2", 4.0), ("flux2_klein", 4.0)])
 def test_training_log_prob_equals_the_sampled_one(policy, family, guidance):
     pol = policy[family]
-    traj = sample_trajectories(pol, pol.transformer, PROMPTS, pol.encode_prompts(PROMPTS), 64, 64, num_steps=4,
-                               guidance=guidance, noise_level=0.7, noise_steps=[1, 2], train_steps=[1, 2],
-                               generators=[make_generator(1, i) for i in range(2)])
+    spec = SamplingSpec(num_steps=4, guidance=guidance, noise_level=0.7)
+    traj = sample_trajectories(pol, pol.transformer, spec, RolloutBatch(
+        prompts=PROMPTS, embeds=pol.encode_prompts(PROMPTS), height=64, width=64,
+        generators=[make_generator(1, i) for i in range(2)], noise_steps=[1, 2], train_steps=[1, 2]))
     with torch.no_grad():
         for t in range(2):
             for i in range(2):
-                one = transition_log_prob(pol, pol.transformer, traj, t, [i], guidance=guidance, noise_level=0.7)
+                one = transition_log_prob(pol, pol.transformer, traj, t, [i], spec=spec)
                 assert torch.allclose(one.log_prob.float(), traj.log_prob[[i], t], rtol=0, atol=1e-5)
 
 
@@ -202,9 +204,12 @@ def test_lora_export_loads_into_the_pipeline(policy, family, tmp_path):
 def test_a_prompt_length_past_the_text_encoder_is_one_line_before_anything_loads():
     from conftest import one_line_error, run_cli
 
-    line = one_line_error(run_cli("launch/train.py", "--config", "configs/tiny/flux2_klein_t2is.yaml", "--dry-run",
-                                  "--set", "model.max_sequence_length=50000"))
+    args = ("launch/train.py", "--config", "configs/tiny/flux2_klein_t2is.yaml", "--dry-run",
+            "--set", "model.max_sequence_length=50000")
+    line = one_line_error(run_cli(*args, "--set", "model.tiny=false"))  # Qwen3-8B's position table
     assert "config key 'model.max_sequence_length': at most 40960 for model.family 'flux2_klein', got 50000" in line
+    line = one_line_error(run_cli(*args))  # the tiny twin's Qwen3 holds 4096 positions
+    assert "at most 4096 for the tiny twin of model.family 'flux2_klein'" in line
 
 
 @pytest.mark.parametrize("family", FAMILIES)

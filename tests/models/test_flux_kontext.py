@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import with_family_defaults
 from paco_ds.models.base import Condition
 from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 from paco_ds.models.schedule import flux_sigmas
 
@@ -55,12 +56,16 @@ def other_latents(cond: Condition, seed: int = 0) -> Condition:
     return Condition(cond.images, torch.randn(cond.latents.shape, generator=g), cond.size)
 
 
+SPEC = SamplingSpec(num_steps=4, guidance=GUIDANCE, noise_level=0.9)  # what `rollout` samples with
+
+
 def rollout(policy, cond, h, w, seeds, steps=4, noise_steps=(1,), train_steps=(1,)):
-    embeds = policy.encode_prompts(PROMPTS[:len(seeds)])
-    return sample_trajectories(policy, policy.transformer, PROMPTS[:len(seeds)], embeds, h, w, num_steps=steps,
-                               guidance=GUIDANCE, noise_level=0.9, noise_steps=list(noise_steps),
-                               train_steps=list(train_steps), generators=[make_generator(0, 0, s) for s in seeds],
-                               condition=cond)
+    prompts = PROMPTS[:len(seeds)]
+    spec = SamplingSpec(num_steps=steps, guidance=SPEC.guidance, noise_level=SPEC.noise_level)
+    return sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=policy.encode_prompts(prompts), height=h, width=w, condition=cond,
+        generators=[make_generator(0, 0, s) for s in seeds], noise_steps=list(noise_steps),
+        train_steps=list(train_steps)))
 
 
 def test_registered_and_refuses_a_missing_condition(policy):
@@ -122,14 +127,14 @@ def test_recomputed_log_prob_equals_the_sampled_one(policy):
     cond = policy.encode_condition(refs((48, 48), (24, 40), seed=7), h, w)
     traj = rollout(policy, cond, h, w, seeds=[0, 1])
     assert traj.condition is not None and traj.condition.latents.shape[0] == 2
-    whole = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], guidance=GUIDANCE, noise_level=0.9)
+    whole = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], spec=SPEC)
     assert torch.equal(whole.log_prob.float(), traj.log_prob[:, 0])  # the rollout's own batch: ratio exactly 1
     for i in range(2):  # one sample at a time, as training does with batch size 1
-        step = transition_log_prob(policy, policy.transformer, traj, 0, [i], guidance=GUIDANCE, noise_level=0.9)
+        step = transition_log_prob(policy, policy.transformer, traj, 0, [i], spec=SPEC)
         assert torch.exp(step.log_prob.float() - traj.log_prob[[i], 0]).item() == pytest.approx(1.0, abs=1e-5)
     # Other condition latents give another mean and log-prob: training reads the condition too.
     traj = dataclasses.replace(traj, condition=other_latents(traj.condition))  # a Trajectory is frozen
-    other = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], guidance=GUIDANCE, noise_level=0.9)
+    other = transition_log_prob(policy, policy.transformer, traj, 0, [0, 1], spec=SPEC)
     assert (other.mean - whole.mean).abs().max() > 1e-3
     assert not torch.equal(other.log_prob, whole.log_prob)
 
@@ -150,7 +155,7 @@ def test_one_transformer_forward_per_trained_step_and_no_encode(policy):
     try:
         for t in range(2):
             for i in range(2):
-                transition_log_prob(policy, policy.transformer, traj, t, [i], guidance=GUIDANCE, noise_level=0.9)
+                transition_log_prob(policy, policy.transformer, traj, t, [i], spec=SPEC)
     finally:
         for hd in handles:
             hd.remove()

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.qwen_image import QwenImagePolicy
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
 from paco_ds.models.tiny.qwen_image import tiny_qwen_image_components, tiny_qwen_image_pipeline
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -86,10 +87,9 @@ def test_prompt_embeddings_are_the_pipelines(base, pipe):
 def test_ode_sampling_and_decoding_are_the_pipelines(base, pipe, size):
     h, w = size
     x0 = base.initial_latents(2, h, w, [make_generator(3, i) for i in range(2)])
-    traj = sample_trajectories(base, base.transformer, PROMPTS, base.encode_prompts(PROMPTS), h, w, num_steps=4,
-                               guidance=1.0, noise_level=0.0, noise_steps=[], train_steps=[],
-                               generators=[make_generator(3, i) for i in range(2)], initial_latents=x0,
-                               keep_final=True)
+    traj = sample_trajectories(base, base.transformer, SamplingSpec(num_steps=4, guidance=1.0, keep_final=True),
+                               RolloutBatch(prompts=PROMPTS, embeds=base.encode_prompts(PROMPTS), height=h, width=w,
+                                            initial_latents=x0))
     theirs = pipe(PROMPTS, height=h, width=w, num_inference_steps=4, true_cfg_scale=1.0, latents=x0,
                   max_sequence_length=MAX_SEQ, output_type="latent").images
     torch.testing.assert_close(traj.x_final, theirs, rtol=0, atol=1e-5)
@@ -103,14 +103,15 @@ def test_ode_sampling_and_decoding_are_the_pipelines(base, pipe, size):
 
 def test_training_log_prob_equals_the_sampled_one(policy):
     prompts = PROMPTS
-    traj = sample_trajectories(policy, policy.transformer, prompts, policy.encode_prompts(prompts), 64, 64,
-                               num_steps=4, guidance=1.0, noise_level=0.7, noise_steps=[1, 2], train_steps=[1, 2],
-                               generators=[make_generator(1, i) for i in range(2)])
+    spec = SamplingSpec(num_steps=4, guidance=1.0, noise_level=0.7)
+    traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=policy.encode_prompts(prompts), height=64, width=64,
+        generators=[make_generator(1, i) for i in range(2)], noise_steps=[1, 2], train_steps=[1, 2]))
     assert traj.embeds.mask is not None and traj.condition is None
     with torch.no_grad():
         for t in range(2):
             for i in range(2):
-                one = transition_log_prob(policy, policy.transformer, traj, t, [i], guidance=1.0, noise_level=0.7)
+                one = transition_log_prob(policy, policy.transformer, traj, t, [i], spec=spec)
                 assert torch.allclose(one.log_prob.float(), traj.log_prob[[i], t], rtol=0, atol=1e-5)
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import assert_loaded_lora_matches, load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models.qwen_image_edit import QwenEditPolicy
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -68,16 +69,17 @@ def test_vl_encoder_runs_once_per_sample_at_rollout_and_never_in_training(policy
     try:
         cond = policy.encode_condition(refs, h, w)
         embeds = policy.encode_prompts(prompts, cond)
-        traj = sample_trajectories(policy, policy.transformer, prompts, embeds, h, w, num_steps=4, guidance=4.0,
-                                   noise_level=1.0, noise_steps=[1, 2], train_steps=[1, 2],
-                                   generators=[make_generator(0, i) for i in range(3)], condition=cond)
+        spec = SamplingSpec(num_steps=4, guidance=4.0, noise_level=1.0)
+        traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+            prompts=prompts, embeds=embeds, height=h, width=w, condition=cond,
+            generators=[make_generator(0, i) for i in range(3)], noise_steps=[1, 2], train_steps=[1, 2]))
         assert (vl.calls, vl.rows) == (1, 3)  # one batched forward: each sample encoded once
         assert vae.rows == 3 and tr.calls == 4
         vl_before, vae_before, tr_before = vl.rows, vae.rows, tr.calls
         with torch.no_grad():
             for t in range(2):
                 for i in range(3):
-                    transition_log_prob(policy, policy.transformer, traj, t, [i], guidance=4.0, noise_level=1.0)
+                    transition_log_prob(policy, policy.transformer, traj, t, [i], spec=spec)
         assert vl.rows == vl_before and vae.rows == vae_before  # training re-encodes nothing
         assert tr.calls - tr_before == 6  # one transformer forward per trained step and sample
     finally:
@@ -122,18 +124,19 @@ def test_training_log_prob_equals_the_sampled_one(policy):
     h, w = policy.target_size(60, 90, 64)
     prompts = ["make the circle blue", "add a hat"]
     cond = policy.encode_condition([_ref(60, 90, 8), _ref(60, 90, 9)], h, w)
-    traj = sample_trajectories(policy, policy.transformer, prompts, policy.encode_prompts(prompts, cond), h, w,
-                               num_steps=4, guidance=1.0, noise_level=0.7, noise_steps=[1], train_steps=[1],
-                               generators=[make_generator(1, i) for i in range(2)], condition=cond)
+    spec = SamplingSpec(num_steps=4, guidance=1.0, noise_level=0.7)
+    traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=policy.encode_prompts(prompts, cond), height=h, width=w, condition=cond,
+        generators=[make_generator(1, i) for i in range(2)], noise_steps=[1], train_steps=[1]))
     with torch.no_grad():
-        both = transition_log_prob(policy, policy.transformer, traj, 0, slice(None), guidance=1.0, noise_level=0.7)
+        both = transition_log_prob(policy, policy.transformer, traj, 0, slice(None), spec=spec)
         assert torch.equal(both.log_prob.float(), traj.log_prob[:, 0])
         assert torch.equal(torch.exp(both.log_prob.float() - traj.log_prob[:, 0]), torch.ones(2))
         for i in range(2):  # batch size 1, as training runs by default
-            one = transition_log_prob(policy, policy.transformer, traj, 0, [i], guidance=1.0, noise_level=0.7)
+            one = transition_log_prob(policy, policy.transformer, traj, 0, [i], spec=spec)
             assert torch.allclose(one.log_prob.float(), traj.log_prob[[i], 0], rtol=0, atol=1e-5)
         batch = gather_samples([(traj, 1), (traj, 0)])
-        again = transition_log_prob(policy, policy.transformer, batch, 0, slice(None), guidance=1.0, noise_level=0.7)
+        again = transition_log_prob(policy, policy.transformer, batch, 0, slice(None), spec=spec)
     assert torch.allclose(again.log_prob.float(), traj.log_prob[[1, 0], 0], rtol=0, atol=1e-5)
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import assert_loaded_lora_matches, load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models.qwen_image_edit_plus import HUB_IDS, QwenEditPlusPolicy
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import gather_samples, make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -122,14 +123,15 @@ def test_training_log_prob_equals_the_sampled_one(policy):
     inputs = [(_ref(64, 96, 9), _ref(80, 80, 10)), (_ref(64, 96, 11), _ref(80, 80, 12))]
     prompts = ["put the circle of picture 1 into picture 2", "paint picture 2 like picture 1"]
     cond = policy.encode_condition(inputs, h, w)
-    traj = sample_trajectories(policy, policy.transformer, prompts, policy.encode_prompts(prompts, cond), h, w,
-                               num_steps=4, guidance=1.0, noise_level=0.7, noise_steps=[1], train_steps=[1],
-                               generators=[make_generator(2, i) for i in range(2)], condition=cond)
+    spec = SamplingSpec(num_steps=4, guidance=1.0, noise_level=0.7)
+    traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=prompts, embeds=policy.encode_prompts(prompts, cond), height=h, width=w, condition=cond,
+        generators=[make_generator(2, i) for i in range(2)], noise_steps=[1], train_steps=[1]))
     with torch.no_grad():
-        both = transition_log_prob(policy, policy.transformer, traj, 0, slice(None), guidance=1.0, noise_level=0.7)
+        both = transition_log_prob(policy, policy.transformer, traj, 0, slice(None), spec=spec)
         assert torch.equal(both.log_prob.float(), traj.log_prob[:, 0])
         batch = gather_samples([(traj, 1), (traj, 0)])
-        again = transition_log_prob(policy, policy.transformer, batch, 0, slice(None), guidance=1.0, noise_level=0.7)
+        again = transition_log_prob(policy, policy.transformer, batch, 0, slice(None), spec=spec)
     assert torch.allclose(again.log_prob.float(), traj.log_prob[[1, 0], 0], rtol=0, atol=1e-5)
     assert batch.condition.images[0] is inputs[1]  # each sample keeps its own inputs
 

@@ -9,11 +9,12 @@ import torch
 
 from kernels.sde_reference import sde_step
 from conftest import with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
 from paco_ds.models.sd3 import SD3Policy, sd3_sigmas
 from paco_ds.models.tiny.sd3 import SD3_SCHEDULER_CONFIG, save_sd3_folder, tiny_sd3_components
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -139,9 +140,10 @@ def test_each_sde_type_is_flow_grpos_sd3_step(step, ours_type, theirs_type):
 
 def test_rollout_log_probs_are_flow_grpos_and_recompute_exactly(policy):
     n = 4
-    traj = sample_trajectories(policy, policy.transformer, PROMPTS[:2], policy.encode_prompts(PROMPTS[:2]), 64, 64,
-                               num_steps=n, guidance=G, noise_level=0.7, noise_steps=list(range(n)),
-                               train_steps=list(range(n)), generators=[make_generator(0, i) for i in range(2)])
+    spec = SamplingSpec(num_steps=n, guidance=G, noise_level=0.7)
+    traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=PROMPTS[:2], embeds=policy.encode_prompts(PROMPTS[:2]), height=64, width=64,
+        generators=[make_generator(0, i) for i in range(2)], noise_steps=list(range(n)), train_steps=list(range(n))))
     sigmas = policy.sigmas(n, 64, 64)
     for t in range(n):
         with torch.no_grad():
@@ -149,7 +151,7 @@ def test_rollout_log_probs_are_flow_grpos_and_recompute_exactly(policy):
         _, ref, _, _ = flow_grpo_sde(sigmas, [t, t], v, traj.x_t[:, t], 0.7, prev_sample=traj.x_next[:, t])
         assert torch.allclose(traj.log_prob[:, t], ref, rtol=0, atol=1e-5)
         for i in range(2):  # training recomputes it one sample at a time: ratio 1
-            step = transition_log_prob(policy, policy.transformer, traj, t, [i], guidance=G, noise_level=0.7)
+            step = transition_log_prob(policy, policy.transformer, traj, t, [i], spec=spec)
             assert torch.allclose(step.log_prob, traj.log_prob[[i], t], rtol=0, atol=1e-5)
 
 
@@ -215,10 +217,9 @@ def test_prompt_embeddings_are_the_pipelines(policy, pipe):
 def test_ode_sampling_with_guidance_is_the_pipelines(pipe):
     policy = SD3Policy.load(_cfg(), CPU)  # no LoRA: the pipeline's own weights
     x0 = policy.initial_latents(2, 64, 64, [make_generator(3, i) for i in range(2)])
-    traj = sample_trajectories(policy, policy.transformer, PROMPTS[:2], policy.encode_prompts(PROMPTS[:2]), 64, 64,
-                               num_steps=3, guidance=G, noise_level=0.0, noise_steps=[], train_steps=[],
-                               generators=[make_generator(3, i) for i in range(2)], initial_latents=x0,
-                               keep_final=True)
+    traj = sample_trajectories(policy, policy.transformer, SamplingSpec(num_steps=3, guidance=G, keep_final=True),
+                               RolloutBatch(prompts=PROMPTS[:2], embeds=policy.encode_prompts(PROMPTS[:2]), height=64,
+                                            width=64, initial_latents=x0))
     theirs = pipe(PROMPTS[:2], height=64, width=64, num_inference_steps=3, guidance_scale=G, output_type="latent",
                   latents=policy.unpack(x0, 64, 64), max_sequence_length=policy.max_sequence_length).images
     assert torch.allclose(policy.unpack(traj.x_final, 64, 64), theirs, atol=1e-5)

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conftest import load_exported_lora, save_diffusers_layout, with_active_lora
-from paco_ds.config import LoraConfig, ModelConfig
+from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.models import POLICIES, policy_class, with_family_defaults
 from paco_ds.models.z_image import ZImagePolicy
 from paco_ds.models.tiny.z_image import tiny_z_image_components, tiny_z_image_pipeline
+from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories, transition_log_prob
 
 pytestmark = pytest.mark.fast
@@ -104,10 +105,9 @@ def test_ode_sampling_and_decoding_are_the_pipelines(base, pipe, guidance, size)
     0: the empty negative prompt in the same call)."""
     h, w = size
     x0 = base.initial_latents(2, h, w, [make_generator(3, i) for i in range(2)])
-    traj = sample_trajectories(base, base.transformer, PROMPTS, base.encode_prompts(PROMPTS), h, w, num_steps=4,
-                               guidance=guidance, noise_level=0.0, noise_steps=[], train_steps=[],
-                               generators=[make_generator(3, i) for i in range(2)], initial_latents=x0,
-                               keep_final=True)
+    traj = sample_trajectories(base, base.transformer, SamplingSpec(num_steps=4, guidance=guidance, keep_final=True),
+                               RolloutBatch(prompts=PROMPTS, embeds=base.encode_prompts(PROMPTS), height=h, width=w,
+                                            initial_latents=x0))
     call = dict(height=h, width=w, num_inference_steps=4, guidance_scale=guidance, latents=base.unpack(x0, h, w),
                 max_sequence_length=MAX_SEQ)
     # the pipeline writes the chat template into the prompt list it is given: a copy each call
@@ -129,14 +129,15 @@ def test_turbos_schedule_is_the_pipelines(base, pipe):
 
 @pytest.mark.parametrize("guidance", [0.0, 2.0])
 def test_training_log_prob_equals_the_sampled_one(policy, guidance):
-    traj = sample_trajectories(policy, policy.transformer, PROMPTS, policy.encode_prompts(PROMPTS), 64, 64,
-                               num_steps=4, guidance=guidance, noise_level=0.7, noise_steps=[1, 2], train_steps=[1, 2],
-                               generators=[make_generator(1, i) for i in range(2)])
+    spec = SamplingSpec(num_steps=4, guidance=guidance, noise_level=0.7)
+    traj = sample_trajectories(policy, policy.transformer, spec, RolloutBatch(
+        prompts=PROMPTS, embeds=policy.encode_prompts(PROMPTS), height=64, width=64,
+        generators=[make_generator(1, i) for i in range(2)], noise_steps=[1, 2], train_steps=[1, 2]))
     assert traj.embeds.mask is not None and traj.condition is None
     with torch.no_grad():
         for t in range(2):
             for i in range(2):
-                one = transition_log_prob(policy, policy.transformer, traj, t, [i], guidance=guidance, noise_level=0.7)
+                one = transition_log_prob(policy, policy.transformer, traj, t, [i], spec=spec)
                 assert torch.allclose(one.log_prob.float(), traj.log_prob[[i], t], rtol=0, atol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""The rollout pin (paco_ds.engine.gathered_for_phase) against the installed DeepSpeed.
+"""The rollout pin (paco_ds.runtime.engine.gathered_for_phase) against the installed DeepSpeed.
 
 It relies on DeepSpeed's private per-parameter `ds_active_sub_modules`: a parameter listed as in
 use by an active module is not released after a forward. These checks fail if an upgrade changes

@@ -127,16 +127,18 @@ def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why()
     assert max(plan.memory["training"], key=plan.memory["training"].get) == "activations"
 
 
-def test_a_host_tensor_in_the_sde_steps_inputs_is_caught_on_the_real_path():
+def test_a_host_tensor_in_the_sde_steps_inputs_is_caught_on_the_real_path(monkeypatch):
+    import kernels
     from paco_ds.gpu_plan.plan import DevicePathError
 
-    def inject(name, sde):
-        def step(x, v, *args, **kwargs):
-            return sde(x.cpu(), v, *args, **kwargs)  # what a stray .cpu() in the rollout would do
-        return step
+    sde = kernels.sde_step
 
+    def step(x, v, *args, **kwargs):
+        return sde(x.cpu(), v, *args, **kwargs)  # what a stray .cpu() in the rollout would do
+
+    monkeypatch.setattr(kernels, "sde_step", step)  # the SDE step every loss builds its own from
     with pytest.raises(DevicePathError, match="device mix"):
-        _plan("flux_t2is.yaml", T2IS_DATA, inject=inject)
+        _plan("flux_t2is.yaml", T2IS_DATA)
 
 
 # ------------------------------------------------------------------------------- SD3.5-Medium
@@ -262,3 +264,19 @@ def test_the_loss_comparison_counts_dpo_dgpo_mixgrpo_flash_and_tree_rollouts_at_
     per_step = dgpo["tflops_per_image"]["training"] / 4
     assert dpo["tflops_per_image"]["training"] == pytest.approx(per_step * 2 * 2 / 16, rel=1e-6)
     assert per_step > 2.5 * dgpo["transformer_forward_tflops"]  # a forward without grad, one with, a backward
+
+
+def test_a_loss_and_its_switch_from_tests_are_counted_with_no_change_to_the_plan():
+    """The plan builds the trainer's own loss object: a loss defined in tests/ (tests/plan/extra_forwards_loss.py)
+    whose switch adds no-grad transformer forwards to each micro-step costs exactly those forwards more
+    in the plan's training FLOPs, and nothing in paco_ds/gpu_plan/ names it."""
+    loss = ["train.loss=tests.plan.extra_forwards_loss:ExtraForwards"]
+    plain = _plan("kontext_edit.yaml", EDIT_DATA + loss)
+    extra = _plan("kontext_edit.yaml", EDIT_DATA + loss + ["train.extra_forwards.forwards=2"])
+    forward = plain.flops_detail["transformer_forward"]
+    trained = plain.counts["trained_steps_per_sample"]
+    added = extra.flops_detail["train_micro_step"] - plain.flops_detail["train_micro_step"]
+    assert added == pytest.approx(2 * forward, rel=0.02)
+    assert extra.flops["training"] - plain.flops["training"] == pytest.approx(2 * forward * trained, rel=0.02)
+    assert plain.flops["sampling"] == extra.flops["sampling"]  # the switch acts in training only
+    assert not [p for p in (REPO / "paco_ds" / "gpu_plan").rglob("*.py") if "extra_forwards" in p.read_text()]

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from conftest import REPO, shared_file
-from paco_ds import processes
-from paco_ds.config import RewardSet
+from paco_ds.runtime import processes
+from paco_ds.recipe.schema import RewardSet
 from paco_ds.errors import RewardError
 from paco_ds.images import split_panels, split_prompt
 from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
@@ -27,7 +27,7 @@ from paco_ds.rewards.registry import build_reward
 from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.runner import RewardRunner
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 
 pytestmark = pytest.mark.fast
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from paco_ds.config import RewardSet
+from paco_ds.recipe.schema import RewardSet
 from paco_ds.data import load_prompts, read_reference
 from paco_ds.errors import RewardError
 from paco_ds.rewards.base import PartialRewardError
@@ -18,7 +18,7 @@ from paco_ds.rewards.edit_score import parse_scores, pq_prompt, sc_prompt
 from paco_ds.rewards.registry import build_reward
 from paco_ds.rewards.runner import RewardRunner, part_scores
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 from conftest import REPO
 
 pytestmark = pytest.mark.fast

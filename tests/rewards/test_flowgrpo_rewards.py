@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from paco_ds.config import RewardSet
+from paco_ds.recipe.schema import RewardSet
 from paco_ds.errors import ConfigError, RewardError
 from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.registry import build_reward

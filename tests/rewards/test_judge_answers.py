@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO
-from paco_ds.config import RewardSet
+from paco_ds.recipe.schema import RewardSet
 from paco_ds.errors import RewardError
 from paco_ds.rewards.base import PartialRewardError
 from paco_ds.rewards.registry import build_reward

@@ -107,7 +107,7 @@ def test_runner_keeps_several_batches_at_a_remote_judge_and_one_at_a_local_rewar
     """A remote judge's time is its server's latency: batch b+1 must not queue behind batch b's
     answers, or a judge slower per batch than the sampler sets the epoch's pace. A local reward
     shares the trainer's device and scores one batch at a time. Results stay in submission order."""
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.rewards.runner import RewardRunner
 
     reward = _Sleeper(remote)
@@ -125,7 +125,7 @@ def test_runner_keeps_several_batches_at_a_remote_judge_and_one_at_a_local_rewar
 
 
 def test_runner_rejects_zero_batches_in_flight():
-    from paco_ds.config import RewardSet
+    from paco_ds.recipe.schema import RewardSet
     from paco_ds.rewards.runner import RewardRunner
 
     with pytest.raises(ValueError, match="batches_in_flight"):

@@ -17,8 +17,8 @@ ACCUMULATION = 4
 def main(out_dir: Path) -> None:
     import torch
 
-    from paco_ds.distributed import setup_distributed
-    from paco_ds.engine import create_engine
+    from paco_ds.runtime.distributed import setup_distributed
+    from paco_ds.runtime.engine import create_engine
     from paco_ds.grpo.epoch import EpochProgress
     from paco_ds.grpo.preemption import Preemption
 

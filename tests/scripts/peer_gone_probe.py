@@ -6,8 +6,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from paco_ds import stopping  # noqa: E402
-from paco_ds.distributed import barrier, setup_distributed  # noqa: E402
+from paco_ds.runtime import stopping  # noqa: E402
+from paco_ds.runtime.distributed import barrier, setup_distributed  # noqa: E402
 from paco_ds.errors import UserError, exit_on_user_error  # noqa: E402
 
 

@@ -16,8 +16,8 @@ def main(out_dir: Path) -> None:
     import torch
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
-    from paco_ds.distributed import setup_distributed
-    from paco_ds.engine import create_engine, gathered_for_phase
+    from paco_ds.runtime.distributed import setup_distributed
+    from paco_ds.runtime.engine import create_engine, gathered_for_phase
 
     dist = setup_distributed()
     torch.manual_seed(0)

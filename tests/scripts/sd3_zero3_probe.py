@@ -20,9 +20,9 @@ def main():
     import torch
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from paco_ds.config import LoraConfig, ModelConfig
-    from paco_ds.distributed import shutdown_distributed
-    from paco_ds.engine import create_engine, partition_report
+    from paco_ds.recipe.schema import LoraConfig, ModelConfig
+    from paco_ds.runtime.distributed import shutdown_distributed
+    from paco_ds.runtime.engine import create_engine, partition_report
     from paco_ds.models import with_family_defaults
     from paco_ds.models.lora import add_lora
     from paco_ds.models.sd3 import SD3Policy

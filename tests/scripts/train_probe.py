@@ -26,8 +26,8 @@ def main():
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         from paco_ds.grpo.plan import load_config
-        from paco_ds.distributed import setup_distributed
-        from paco_ds.engine import partition_report, zero_stage
+        from paco_ds.runtime.distributed import setup_distributed
+        from paco_ds.runtime.engine import partition_report, zero_stage
         from paco_ds.grpo.trainer import GRPOTrainer
         from paco_ds.serving.manager import started_for_run
 

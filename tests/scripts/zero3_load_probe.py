@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def lora_cfg():
-    from paco_ds.config import LoraConfig
+    from paco_ds.recipe.schema import LoraConfig
 
     return LoraConfig(rank=4, alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_out", "ff.net.2"])
 
@@ -25,7 +25,7 @@ def lora_engine(policy, ds_config, lora_seed: int):
     import torch
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from paco_ds.engine import create_engine
+    from paco_ds.runtime.engine import create_engine
     from paco_ds.models.lora import add_lora
 
     torch.manual_seed(lora_seed)
@@ -50,8 +50,8 @@ def start_probe():
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
 
-    from paco_ds.distributed import setup_distributed
-    from paco_ds.engine import build_ds_config, load_ds_config
+    from paco_ds.runtime.distributed import setup_distributed
+    from paco_ds.runtime.engine import build_ds_config, load_ds_config
 
     dist = setup_distributed()
     repo = Path(__file__).resolve().parents[2]
@@ -67,9 +67,9 @@ def main():
     import torch
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    from paco_ds.config import ModelConfig
-    from paco_ds.distributed import shutdown_distributed
-    from paco_ds.engine import partition_report
+    from paco_ds.recipe.schema import ModelConfig
+    from paco_ds.runtime.distributed import shutdown_distributed
+    from paco_ds.runtime.engine import partition_report
     from paco_ds.models.base import TextEmbeds
     from paco_ds.models.flux import FluxPolicy
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 from paco_ds.serving.sleep import JudgeSleep, JudgeSleepError, base_url, judges_for_run
 from paco_ds.serving.vllm import vllm_command
 

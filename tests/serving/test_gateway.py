@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import REPO
 from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 
 pytestmark = pytest.mark.fast
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl, tiny_qwen2_5_vl
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 from paco_ds.serving.hf_engine import Engine
 from paco_ds.serving.protocol import ChatCompletionRequest
 

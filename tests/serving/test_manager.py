@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from conftest import one_line_error as _one_line_error, run_cli
-from paco_ds import processes
+from paco_ds.runtime import processes
 from paco_ds.serving import manager
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 
 pytestmark = pytest.mark.fast
 

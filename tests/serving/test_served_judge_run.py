@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, TINY
 from distributed_runs import DEEPSPEED, finish
 
-from paco_ds import processes
+from paco_ds.runtime import processes
 from paco_ds.serving import manager
 from paco_ds.serving.manager import free_port
 

@@ -8,8 +8,9 @@ import pytest
 
 from conftest import one_line_error, run_cli
 from paco_ds.errors import ConfigError
-from paco_ds.serving.config import ServersConfig, build_servers_config, config_from_env
-from paco_ds.tiny_judge import TINY_JUDGE_HEAD_DIM, TINY_JUDGE_VOCAB_SIZE
+from paco_ds.recipe.servers import ServersConfig
+from paco_ds.serving.config import build_servers_config, config_from_env
+from paco_ds.recipe.tiny_judge import TINY_JUDGE_HEAD_DIM, TINY_JUDGE_VOCAB_SIZE
 from paco_ds.serving.manager import endpoints, plan
 
 pytestmark = pytest.mark.fast

@@ -144,7 +144,7 @@ def test_export_merges_the_adapter_into_a_model_that_scores_a_pair(full_run, tmp
 
     from paco_ds.rewards.consistency import data_uri
     from paco_ds.serving import manager
-    from paco_ds.serving.config import ServersConfig
+    from paco_ds.recipe.servers import ServersConfig
 
     cfg = ServersConfig(engine="hf", models=[{"name": "paco-reward-sft", "path": str(tmp_path / "merged")}],
                         port=0, max_logprobs=267, startup_timeout=120)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from paco_ds import cluster, slurm, stopping
+from paco_ds.launchers import cluster, slurm; from paco_ds.runtime import stopping
 from paco_ds.errors import ConfigError, UserError
 from tests.conftest import one_line_error, run_cli
 from tests.distributed_runs import TINY

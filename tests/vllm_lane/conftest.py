@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def servers_config(engine: str, judge_dir: Path, **kw):
-    from paco_ds.serving.config import ServersConfig
+    from paco_ds.recipe.servers import ServersConfig
 
     if engine == "vllm":
         kw = {"device": "cpu", "vllm_python": VLLM_PYTHON, "max_model_len": 2048,

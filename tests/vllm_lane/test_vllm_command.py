@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from paco_ds.serving.config import ServersConfig
+from paco_ds.recipe.servers import ServersConfig
 from paco_ds.serving.sleep import sleep_path
 from paco_ds.serving.vllm import VLLM_MODULE, vllm_command
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 from distributed_runs import DEEPSPEED, finish, metrics
 
-from paco_ds import processes
+from paco_ds.runtime import processes
 from paco_ds.serving.manager import free_port
 
 from .conftest import JUDGE, VLLM_PYTHON, VOCAB

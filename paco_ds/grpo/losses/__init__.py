@@ -13,7 +13,7 @@ declares one, is its recipe keys under train.<its name>, checked like a built-in
 from __future__ import annotations
 
 from paco_ds.errors import ConfigError
-from paco_ds.recipe import resolve
+from paco_ds.recipe.loader import resolve
 
 # train.loss -> "module:Class", imported when needed (the schema, the trainer), so that naming a
 # loss costs nothing until it is used.
@@ -44,7 +44,7 @@ def loss_sections(loss: str) -> tuple[tuple[str, str, type], ...]:
         name = getattr(cls, "name", "")
         # a subclass of a built-in loss may share its section; another section needs a name of its own
         taken = value not in LOSSES and name in LOSSES and loss_class(name).section is not section
-        from paco_ds.config import TrainConfig  # a section named like a train key would replace that key
+        from paco_ds.recipe.schema import TrainConfig  # a section named like a train key would replace that key
 
         if not name.isidentifier() or taken or (name in TrainConfig.model_fields and name not in LOSSES):
             raise ConfigError(f"config key 'train.loss': {value} declares a recipe section, keyed by its `name` "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import kernels
-from paco_ds.config import Config, LossSection
+from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.ema import ShadowWeights
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import Trajectory

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from paco_ds.config import Config, LossSection
+from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, OldPolicy, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from paco_ds.config import Config, LossSection
+from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds, check_drawn_levels, refuse_sde_log_prob_keys
 from paco_ds.models.base import Policy
 from paco_ds.sampling.trajectory import make_generator

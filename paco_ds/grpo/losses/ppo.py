@@ -16,9 +16,10 @@ import torch
 from pydantic import Field
 
 import kernels
-from paco_ds.config import Config, LossSection
+from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds
 from paco_ds.models.base import Policy
+from paco_ds.sampling.spec import SamplingSpec
 from paco_ds.sampling.trajectory import step_advantages, transition_log_prob
 
 
@@ -64,8 +65,7 @@ class PPOClip(Loss):
         self.return_mean = cfg.train.kl_beta > 0 or self.guard
         self.needs = RolloutNeeds(log_probs=True, mean_old=self.guard)
         super().__init__(cfg, policy)
-        self.log_prob = partial(transition_log_prob, policy, guidance=cfg.sample.guidance_scale,
-                                noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, sde_fn=self.sde)
+        self.log_prob = partial(transition_log_prob, policy, spec=SamplingSpec.training(cfg, self.sde, self.needs))
 
     def __call__(self, module, batch, t):
         cfg = self.cfg

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 from paco_ds.models.tiny import clip_tokenizer, seeded, t5_tokenizer, tiny_autoencoder
 
 # FLUX.1's scheduler constants, so the tiny model's sigma schedule at a given image size is the

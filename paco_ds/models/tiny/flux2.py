@@ -21,7 +21,7 @@ import copy
 
 import torch
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 from paco_ds.models.tiny import CONFIG_DIR, _bytes_to_unicode, seeded
 
 # black-forest-labs/FLUX.2-dev (and klein) scheduler/scheduler_config.json: dynamic exponential shift.

@@ -12,7 +12,7 @@ Qwen-Image-Edit-2509/2511 (multi-image editing) uses them too, its transformer w
 """
 from __future__ import annotations
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 from paco_ds.models.tiny import seeded
 from paco_ds.models.tiny.qwen_vl import tiny_qwen2_5_vl
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paco_ds.models.tiny import QWEN_SPECIAL_TOKENS, qwen_tokenizer, seeded
-from paco_ds.tiny_judge import TINY_JUDGE_HEAD_DIM
+from paco_ds.recipe.tiny_judge import TINY_JUDGE_HEAD_DIM
 
 # The qwen2_vl conversation format (LLaMA-Factory's qwen2_vl template, as PaCo-Reward trains with): a
 # default system turn, images as <|vision_start|><|image_pad|><|vision_end|> in place, text parts

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 from paco_ds.models.tiny import clip_tokenizer, seeded, t5_tokenizer, tiny_autoencoder
 
 # stabilityai/stable-diffusion-3.5-medium, scheduler/scheduler_config.json

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 
-from paco_ds.config import TinyModelConfig
+from paco_ds.recipe.schema import TinyModelConfig
 from paco_ds.models.tiny import CONFIG_DIR, qwen_tokenizer, seeded
 
 # Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json: a fixed shift of 3, no resolution shift.

@@ -1,6 +1,6 @@
 """Multi-node runs inside a Slurm allocation (`launch/slurm.py`, run by an sbatch script; a template
 in configs/slurm/): the hosts and their slots come from Slurm's environment, and the run goes
-through the same placement and launcher as a hostfile's (paco_ds/cluster.py).
+through the same placement and launcher as a hostfile's (paco_ds/launchers/cluster.py).
 
 - Hosts: SLURM_JOB_NODELIST expanded by `scontrol show hostnames` (Slurm's own parser).
 - Slots per host (the allocation is taken as homogeneous, as `--nodes N --gpus-per-node G` gives):
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from paco_ds.errors import ConfigError, UserError
-from paco_ds.stopping import PREEMPTED_EXIT
+from paco_ds.runtime.stopping import PREEMPTED_EXIT
 
 
 def _scontrol(*args: str) -> str:
@@ -93,7 +93,7 @@ def requeue(job_id: str, log=print) -> None:
 
 def main(config: str, overrides: list[str], slots: int | None = None, dry_run: bool = False,
          master_port: int = 29500, log=print, environ=os.environ) -> int:
-    from paco_ds import cluster
+    from paco_ds.launchers import cluster
     from paco_ds.grpo.plan import load_config
 
     hosts, where = allocation(environ, slots)  # before the recipe: outside an allocation, one line

@@ -7,7 +7,7 @@ full, follow-on errors in code that only reads back what it just wrote. A delete
 shows up as FileNotFoundError wherever the next write lands (a sample grid, metrics.jsonl, a
 checkpoint). Neither is a bug to debug from a traceback: the user needs the path, the cause and the
 state of what was already saved (checkpoints are published atomically, so `latest` always names a
-complete one; paco_ds/checkpoint.py).
+complete one; paco_ds/runtime/checkpoint.py).
 """
 from __future__ import annotations
 

@@ -95,12 +95,12 @@ def peer_gone(err: BaseException) -> str | None:
 
 def exit_after_peer(prog: str, err: BaseException) -> None:
     """One line instead of a traceback in a rank whose peer failed, then wait for the launcher's
-    stop (SIGTERM, paco_ds.stopping) before exiting on our own with status 1."""
+    stop (SIGTERM, paco_ds.runtime.stopping) before exiting on our own with status 1."""
     rank = torch.distributed.get_rank()
     print(f"{prog}: error: rank {rank}: another rank of this run ended while this one waited for it "
           f"({torch.distributed.get_backend()}: {peer_gone(err)}); that rank's error is the cause",
           file=sys.stderr, flush=True)
-    from paco_ds import stopping
+    from paco_ds.runtime import stopping
 
     control = stopping.current()
     if control is not None and control.has_launcher:

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
-from paco_ds import processes
+from paco_ds.runtime import processes
 from paco_ds.errors import ConfigError, DataError, UserError
-from paco_ds.storage import writing
+from paco_ds.runtime.storage import writing
 
 if TYPE_CHECKING:
-    from paco_ds.config import WandbConfig
+    from paco_ds.recipe.schema import WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def check_wandb(section: WandbConfig | None, key: str = "logging.wandb") -> None
         raise ConfigError(f"config key '{key}': the wandb package is not installed (pip install wandb), or set "
                           f"{key}.mode=disabled")
     if section.dir:  # W&B writes <dir>/wandb/ from the first step: an unwritable place is one line now
-        from paco_ds.storage import check_writable
+        from paco_ds.runtime.storage import check_writable
 
         check_writable(Path(section.dir).resolve(), f"{key}.dir")
 
@@ -194,7 +194,7 @@ class MetricsLogger:
         if self.wandb is not None:
             import wandb
 
-            from paco_ds.stopping import PREEMPTED_EXIT
+            from paco_ds.runtime.stopping import PREEMPTED_EXIT
 
             run, self.wandb = self.wandb, None
             code = exit_code_of(error)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 import bundle  # noqa: E402
 import lane_checks  # noqa: E402
 
@@ -43,7 +43,7 @@ def test_a_package_of_unknown_version_on_the_image_does_not_meet_a_version_range
 def test_nccl_is_bound_to_the_ranks_device_at_init(monkeypatch):
     import deepspeed
 
-    import paco_ds.distributed as d
+    import paco_ds.runtime.distributed as d
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -64,7 +64,7 @@ def test_nccl_is_bound_to_the_ranks_device_at_init(monkeypatch):
 
 
 def test_cuda_rng_restore_takes_the_devices_both_runs_see(monkeypatch):
-    from paco_ds import checkpoint
+    from paco_ds.runtime import checkpoint
 
     restored = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""No signal reaches a process the run did not start. Every stop path (paco_ds/processes.py, the
+"""No signal reaches a process the run did not start. Every stop path (paco_ds/runtime/processes.py, the
 cluster launcher's stops and its guard, the reward-server manager, the test lanes' pid files) is run
 against the record of a process that has ended and whose pid a newcomer now holds, taken on purpose
 (through ns_last_pid as root, else by cycling pids): the newcomer must still run, with the same
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paco_ds import cluster, processes
+from paco_ds.launchers import cluster; from paco_ds.runtime import processes
 from paco_ds.serving import manager
 from tests.distributed_runs import REPO, cpu_env
 
@@ -134,7 +134,7 @@ def mode(request, monkeypatch):
     return request.param
 
 
-# ------------------------------------------------------------------------------------ paco_ds.processes
+# ------------------------------------------------------------------------------------ paco_ds.runtime.processes
 def test_signal_if_same_signals_its_own_process_and_spares_a_newcomer(tmp_path, newcomers, mode):
     own = subprocess.Popen(["sleep", "60"])
     started = processes.start_time(own.pid)
@@ -194,7 +194,7 @@ def test_a_group_whose_leader_is_gone_is_reached_through_recorded_members_only(t
     newcomer.assert_untouched()
 
 
-# ------------------------------------------------------------------------------------ paco_ds.cluster
+# ------------------------------------------------------------------------------------ paco_ds.launchers.cluster
 def test_the_cluster_stops_spare_a_newcomer_with_a_recorded_leader_pid(tmp_path, newcomers):
     """_stop_group (a judge's transport, the deepspeed runner's group) and _stop_trainers, with a
     record made after the leader ended (the guard's) and with a group held since the leader ran
@@ -243,7 +243,7 @@ def test_the_guard_spares_newcomers_and_processes_recorded_without_a_start_time(
                     "transport_started": transport_started},
                    {"host": "node-1", "log": str(tmp_path / "no-pid-yet.log"), "transport": unverifiable.pid}]}))
     # launcher 1 is not the guard's parent: it acts at once, as after the launcher's death
-    guard = subprocess.run([sys.executable, "-m", "paco_ds.cluster", "--reap", str(state), "1"], cwd=REPO,
+    guard = subprocess.run([sys.executable, "-m", "paco_ds.launchers.cluster", "--reap", str(state), "1"], cwd=REPO,
                            env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert guard.returncode == 0, guard.stderr
     assert "died without cleaning up" in guard.stderr and not state.exists()

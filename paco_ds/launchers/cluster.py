@@ -16,13 +16,13 @@ its own host first, then the first other one that answers (paco_ds/serving/routi
 Judges run in the foreground of their ssh session (`exec` keeps the pid and the start time the
 shell printed), with `--exit-with-parent`: if the launcher dies without cleaning up, the ssh session
 closes and the judge follows. The launcher also stops each one explicitly, by pid over ssh, once the
-pid's start time shows it is still that judge (paco_ds/processes.py checks every signal the same way).
+pid's start time shows it is still that judge (paco_ds/runtime/processes.py checks every signal the same way).
 
 A SIGTERM or SIGUSR1 to the launcher (a scheduler's stop, or its warning before a time limit) asks
 every rank on every host to stop through a file in the shared run directory (PACO_STOP_FILE,
-paco_ds/stopping.py): with `checkpoint.save_on_sigterm` they save together and exit 75. The launcher
+paco_ds/runtime/stopping.py): with `checkpoint.save_on_sigterm` they save together and exit 75. The launcher
 waits for them (within sigterm_grace_s) and then stops the judges. Ctrl-C stops everything at once.
-The hosts come from a DeepSpeed hostfile (`main`) or a Slurm allocation (paco_ds/slurm.py); both go
+The hosts come from a DeepSpeed hostfile (`main`) or a Slurm allocation (paco_ds/launchers/slurm.py); both go
 through `run` below.
 """
 from __future__ import annotations
@@ -42,13 +42,13 @@ from pathlib import Path
 
 import httpx
 
-from paco_ds import processes
-from paco_ds.config import ClusterConfig, JudgePlacement
+from paco_ds.runtime import processes
+from paco_ds.recipe.schema import ClusterConfig, JudgePlacement
 from paco_ds.errors import ConfigError, UserError
 from paco_ds.serving.manager import log_tail
-from paco_ds.stopping import HARD_STOP_S, PREEMPTED_EXIT, STOP_FILE_ENV, preempted_since
+from paco_ds.runtime.stopping import HARD_STOP_S, PREEMPTED_EXIT, STOP_FILE_ENV, preempted_since
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ENDPOINTS_ENV = "PACO_REWARD_ENDPOINTS"
 # What every rank needs, wherever it runs; DeepSpeed forwards PYTHON*/NCCL*/... by itself.
 FORWARDED = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "GLOO_SOCKET_IFNAME",
@@ -64,7 +64,7 @@ class ClusterError(UserError):
 # ------------------------------------------------------------------------------------------------
 # The recipe's `cluster:` section
 # ------------------------------------------------------------------------------------------------
-# The schema (ClusterConfig, JudgePlacement, EveryNode) lives with the recipe's in paco_ds/config.py.
+# The schema (ClusterConfig, JudgePlacement, EveryNode) lives with the recipe's in paco_ds/recipe/schema.py.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def _stop_group(group: processes.Group, timeout: float = 10.0, proc: subprocess.
     """SIGTERM the process group a local helper leads (pdsh exits before its ssh child may), then
     SIGKILL what is left after `timeout`. Its direct children are signalled too, in case pdsh gave
     its ssh a group of its own. `proc`: the helper, when this process started it (to reap it).
-    Every signal checks its target's identity first (paco_ds/processes.py): a helper whose pid now
+    Every signal checks its target's identity first (paco_ds/runtime/processes.py): a helper whose pid now
     belongs to another process is gone, and nothing of that newcomer's is signalled."""
     for pid, started in processes.children_of(group.leader, group.started).items():
         processes.signal_if_same(pid, started, signal.SIGTERM)
@@ -451,7 +451,7 @@ class Cluster:
     def _wait_ranks_released(self, poll: float) -> None:
         """After a stop request the DeepSpeed runner may end before the ranks (a SIGTERM to it stops
         its pdsh sessions): wait until rank 0 lets go of the run directory, after its save."""
-        from paco_ds.runlock import in_use
+        from paco_ds.runtime.runlock import in_use
 
         while in_use(self.run_dir):
             self._stop_overdue()
@@ -561,7 +561,7 @@ class Cluster:
         kill) gives the launcher no chance to clean up, and the judges, the deepspeed runner and
         their ssh sessions run in sessions of their own. It exits once `close()` is done."""
         self.record()
-        return subprocess.Popen([sys.executable, "-m", "paco_ds.cluster", "--reap", str(self.processes_file),
+        return subprocess.Popen([sys.executable, "-m", "paco_ds.launchers.cluster", "--reap", str(self.processes_file),
                                  str(os.getpid())], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                                 start_new_session=True)  # a SIGKILL to the launcher's group spares it
@@ -772,7 +772,7 @@ def run(cfg, hosts: dict[str, int], hostfile: Path, config: str, overrides: list
     return Outcome(0 if not problems else 1, stopped_by)
 
 
-if __name__ == "__main__":  # the guard: python -m paco_ds.cluster --reap PROCESSES_FILE LAUNCHER_PID
+if __name__ == "__main__":  # the guard: python -m paco_ds.launchers.cluster --reap PROCESSES_FILE LAUNCHER_PID
     if len(sys.argv) != 4 or sys.argv[1] != "--reap":
-        raise SystemExit("usage: python -m paco_ds.cluster --reap PROCESSES_FILE LAUNCHER_PID (launch/cluster.py runs it)")
+        raise SystemExit("usage: python -m paco_ds.launchers.cluster --reap PROCESSES_FILE LAUNCHER_PID (launch/cluster.py runs it)")
     raise SystemExit(reap(Path(sys.argv[2]), int(sys.argv[3])))

@@ -112,7 +112,7 @@ def in_use(run_dir: str | Path) -> bool:
 def owned_run_dir(run_dir: str | Path, is_main: bool) -> Iterator[RunLock | None]:
     """Collective: global rank 0 takes the run directory's lock and holds it for the block; when
     it cannot, every rank raises the same one-line error (so no rank goes on to write there)."""
-    from paco_ds.distributed import all_gather_object
+    from paco_ds.runtime.distributed import all_gather_object
 
     lock, error = None, None
     if is_main:
@@ -137,7 +137,7 @@ def fit_in_run_dir(run_dir: Path, is_main: bool, make_trainer, resume, *around: 
     full disk or a deleted run directory reported as one line naming the path, and inside `around`
     (e.g. the recipe's reward servers), build the trainer and fit it; it is closed however the fit
     ends."""
-    from paco_ds.storage import writing
+    from paco_ds.runtime.storage import writing
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(writing(run_dir, run_dir))

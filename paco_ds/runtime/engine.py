@@ -146,3 +146,11 @@ def recipe_zero_stage(cfg) -> int:
     if stage is None:
         stage = load_ds_config(cfg.resolve_path(cfg.deepspeed.config)).get("zero_optimization", {}).get("stage", 0)
     return int(stage)
+
+
+def gathers_per_step(cfg) -> bool:
+    """Whether a run of this recipe gathers its ZeRO-3 transformer in every sampling forward
+    (deepspeed.rollout_gather: per_step), a collective in each forward: ranks must then run the same
+    forwards (no shared group prefix, no tree rollouts) and compiled blocks cannot run gathered.
+    Under ZeRO-3 otherwise, sampling gathers the parameters once per phase (`gathered_for_phase`)."""
+    return recipe_zero_stage(cfg) == 3 and cfg.deepspeed.rollout_gather == "per_step"

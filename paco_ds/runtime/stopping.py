@@ -18,7 +18,7 @@ What a stop request does:
   Past `checkpoint.sigterm_grace_s` the rank stops as above, without the checkpoint. SIGINT
   (Ctrl-C) still stops at once.
 
-A multi-node launcher (paco_ds/cluster.py) asks every rank on every host to stop by writing the
+A multi-node launcher (paco_ds/launchers/cluster.py) asks every rank on every host to stop by writing the
 file named in PACO_STOP_FILE (in the shared run directory): a rank that sees it acts as on a
 SIGTERM. A file needs no process ids, no ssh and no live transport: under a scheduler the ssh
 sessions that carry the ranks may be signalled together with the launcher.
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from paco_ds import processes
+from paco_ds.runtime import processes
 from paco_ds.errors import UserError
 
 log = logging.getLogger(__name__)

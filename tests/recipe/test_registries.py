@@ -5,41 +5,15 @@ import pytest
 from conftest import REPO, TINY, one_line_error, run_cli
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.losses import loss_class
-from paco_ds.grpo.losses.ppo import PPOClip
 from paco_ds.grpo.plan import load_config
 from paco_ds.models import policy_class
-from paco_ds.models.flux import FluxPolicy
-from paco_ds.rewards.base import Reward, RewardResult
 from paco_ds.rewards.registry import build_reward
+from tests.recipe.outside import OwnLoss, OwnPolicy, OwnReward
 
 pytestmark = pytest.mark.fast
 
 
-class OwnPolicy(FluxPolicy):
-    default_path = "someone/own-checkpoint"
-
-
-class OwnReward(Reward):
-    name = "own"
-
-    def __init__(self, value: float = 1.0):
-        self.value = value
-
-    def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
-        return RewardResult.ok([self.value] * len(images))
-
-
-class OwnLoss(PPOClip):
-    pass
-
-
-class LossNamedLikeATrainKey(PPOClip):
-    """Its section would be train.ema and replace the EMA settings: refused."""
-    name = "ema"
-    section = type("EmaLikeSection", (PPOClip.section,), {})
-
-
-HERE = "test_registries"
+HERE = "tests.recipe.outside"
 
 
 def test_a_policy_by_import_path_gives_its_own_defaults():

@@ -444,8 +444,8 @@ def test_an_unwritable_wandb_dir_is_one_line_at_the_dry_run():
 
 def test_a_prompt_length_past_the_tiny_text_encoder_is_one_line_at_the_dry_run():
     line = one_line_error(_dry_run("model.max_sequence_length=100000", config=REPO / "configs/tiny/flux2_t2is.yaml"))
-    assert ("config key 'model.max_sequence_length': at most 4096 for the tiny twin of model.family 'flux2' (its "
-            "text encoder's positions), got 100000") in line
+    assert ("config key 'model.max_sequence_length': at most 4096 for the tiny twin of model.family 'flux2', "
+            "got 100000") in line
 
 
 def test_cps_noise_past_one_is_one_line_naming_both_keys():

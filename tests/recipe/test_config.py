@@ -4,7 +4,7 @@ import math
 import pytest
 
 from conftest import REPO, TINY, one_line_error as _one_line_error, run_cli
-from paco_ds.config import Config
+from paco_ds.recipe.schema import Config
 from paco_ds.errors import ConfigError
 from paco_ds.grpo.plan import derive, load_config
 

@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Training panels after the rewards: (title, y label, keys). train/loss is left out: it is
 # policy_loss + kl_beta * kl, which the two panels already show.
@@ -362,7 +362,3 @@ def main(argv=None) -> None:
         print(f"report: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     print(out)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,7 +3,7 @@ reward-SFT recipe shares.
 
 This is the bottom layer: it imports no model, reward or trainer code. Names that registries
 above it define (model.family, train.loss, reward and aggregation names) are checked against the
-tables the loader passes in the validation context (paco_ds/recipe.py, paco_ds/grpo/plan.py).
+tables the loader passes in the validation context (paco_ds/recipe/loader.py, paco_ds/grpo/plan.py).
 Values that depend on the number of processes are not part of the schema: `derive(cfg,
 world_size)` in paco_ds/grpo/plan.py computes them from the real world size at run time.
 """
@@ -15,10 +15,10 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
-from paco_ds.recipe import check_name
-from paco_ds.serving.config import ServersConfig, check_top_logprobs
+from paco_ds.recipe.loader import check_name
+from paco_ds.recipe.servers import ServersConfig, check_top_logprobs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Section(BaseModel):
@@ -337,7 +337,7 @@ class AdvantageConfig(Section):
     drop_zero_std_groups: bool = False
 
 
-# DeepSpeed keys paco_ds fills from the recipe (paco_ds/engine.py build_ds_config): an override would be
+# DeepSpeed keys paco_ds fills from the recipe (paco_ds/runtime/engine.py build_ds_config): an override would be
 # silently replaced, so it is refused naming the recipe key that sets it.
 DS_KEYS_FROM_RECIPE = {"train_micro_batch_size_per_gpu": "train: batch_size",
                        "gradient_accumulation_steps": "train: optimizer_steps_per_epoch",

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import paco_ds.distributed as D
+import paco_ds.runtime.distributed as D
 from distributed_runs import free_port
 
 pytestmark = pytest.mark.fast
@@ -106,7 +106,7 @@ def test_a_rank_whose_peer_failed_says_so_in_one_line_and_the_run_exits_with_the
 def test_the_preemption_marker_tells_a_launcher_the_ranks_saved(tmp_path):
     import time
 
-    from paco_ds.stopping import clear_preempted, mark_preempted, preempted_since
+    from paco_ds.runtime.stopping import clear_preempted, mark_preempted, preempted_since
 
     assert preempted_since(tmp_path, 0.0) is None
     start = time.time()

@@ -13,10 +13,10 @@ from PIL import Image
 
 from conftest import TINY, one_line_error, run_cli
 from distributed_runs import wandb_env
-from paco_ds.config import WandbConfig
+from paco_ds.recipe.schema import WandbConfig
 from paco_ds.errors import ConfigError
-from paco_ds.metrics import MetricsLogger, check_wandb
-from paco_ds.stopping import Preempted
+from paco_ds.runtime.metrics import MetricsLogger, check_wandb
+from paco_ds.runtime.stopping import Preempted
 from wandb_records import (exit_code, history, numbers, offline_runs, run_record, split_images, wandb_processes,
                            was_marked_preempting)
 
@@ -48,7 +48,7 @@ def _grid(seed: int) -> Image.Image:
 @pytest.mark.parametrize("ending, status", [(None, 0), (SystemExit(130), 130), (RuntimeError("a bug"), 1)],
                          ids=["finished", "sigint", "error"])
 def test_wandb_gets_the_scalars_of_metrics_jsonl_and_the_grids_at_their_steps(tmp_path, offline_wandb, ending, status):
-    """Whatever ended the run (a SIGINT is SystemExit(130) in a rank, paco_ds/stopping.py), the W&B run
+    """Whatever ended the run (a SIGINT is SystemExit(130) in a rank, paco_ds/runtime/stopping.py), the W&B run
     is finished with the process's status and its service stopped (the fixture checks)."""
     run_dir = tmp_path / "run"
     logger = MetricsLogger(run_dir, enabled=True, tensorboard=False)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paco_ds.distributed import barrier
+from paco_ds.runtime.distributed import barrier
 from paco_ds.errors import UserError
 
 LATEST = "latest"
@@ -171,7 +171,7 @@ class CheckpointManager:
         """A full disk or a deleted run directory while saving: the partial checkpoint is removed
         (its space is what the disk lacks), and the error is one line naming the path and the
         checkpoint `latest` still names, untouched."""
-        from paco_ds.storage import StorageError, storage_failure
+        from paco_ds.runtime.storage import StorageError, storage_failure
 
         try:
             yield

@@ -1,4 +1,4 @@
-"""paco_ds/processes.py, the one place that reads processes (psutil): a process is known by pid and
+"""paco_ds/runtime/processes.py, the one place that reads processes (psutil): a process is known by pid and
 start time, a zombie has ended, and a group stop signals, waits, then kills what ignored it."""
 import signal
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paco_ds import processes
+from paco_ds.runtime import processes
 
 pytestmark = pytest.mark.fast
 
@@ -86,7 +86,7 @@ def test_a_step_of_the_wall_clock_does_not_change_a_process_identity(monkeypatch
 
 
 def test_descendants_by_program_name_are_waited_for_then_killed():
-    """How a run stops W&B's service processes (paco_ds/metrics.py): found among this process's
+    """How a run stops W&B's service processes (paco_ds/runtime/metrics.py): found among this process's
     descendants by program name, a grandchild too; one that has ended is not killed, one still
     running after the wait is."""
     parent = _leader(STUBBORN)  # a python whose child, another python, sleeps
