@@ -210,7 +210,7 @@ def paco_worker(argv: list[str]) -> None:
     GRPOTrainer.sample_epoch = clock.phased(GRPOTrainer.sample_epoch, "sample")
     GRPOTrainer.score_epoch = clock.phased(GRPOTrainer.score_epoch, "reward")
     GRPOTrainer.train_epoch = clock.phased(GRPOTrainer.train_epoch, "train")
-    epoch, finish = GRPOTrainer._epoch, GRPOTrainer._finish
+    epoch, finish = GRPOTrainer.run_epoch, GRPOTrainer.finish
 
     def gated_epoch(self, resumed):
         clock.gate(self.epoch)
@@ -221,7 +221,7 @@ def paco_worker(argv: list[str]) -> None:
         clock.gate(self.epoch, last=True)
         finish(self)
 
-    GRPOTrainer._epoch, GRPOTrainer._finish = gated_epoch, gated_finish
+    GRPOTrainer.run_epoch, GRPOTrainer.finish = gated_epoch, gated_finish
     sys.argv = [str(REPO / "launch" / "train.py"), *rest]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
@@ -355,7 +355,7 @@ WHOLE_STACK = [
     ("prompt encoding", lambda fn, f: fn.endswith(("encode_prompt", "encode_prompts", "_get_t5_prompt_embeds",
                                                    "_get_clip_prompt_embeds"))),
     ("progress, logging, reports", lambda fn, f: f.startswith(("tqdm/", "tensorboard", "torch/utils/tensorboard"))
-     or f.endswith(("paco_ds/metrics.py", "paco_ds/report.py")) or "logger/" in f or "logging/" in f
+     or f.endswith(("paco_ds/runtime/metrics.py", "paco_ds/report/page.py", "paco_ds/metrics.py", "paco_ds/report.py")) or "logger/" in f or "logging/" in f
      or fn.endswith(("save_image", "make_grid", "log_data", "_print_epoch"))),
 ]
 # ... else the first of these met walking from the leaf up

@@ -106,9 +106,9 @@ class GRPOTrainer:
             self.load(resume if isinstance(resume, Path) else self.ckpt.resolve(resume))
         self._open_logs(resumed)
         while self.epoch < self.cfg.train.num_epochs:
-            self._epoch(resumed)
+            self.run_epoch(resumed)
             resumed = False
-        self._finish()
+        self.finish()
 
     def _open_logs(self, resumed: bool) -> None:
         cfg = self.cfg
@@ -123,9 +123,10 @@ class GRPOTrainer:
             stopping.clear_preempted(self.run_dir)  # training again: an earlier preemption is not this run's status
             log.info("run directory: %s", self.run_dir)
 
-    def _epoch(self, resumed: bool) -> None:
+    def run_epoch(self, resumed: bool) -> None:
         """One epoch: its start, its samples and scores (unless a mid-epoch checkpoint holds them),
-        training; its metrics logged and printed."""
+        training; its metrics logged and printed. `fit` runs the epochs in turn (a benchmark may wrap
+        this to time or gate each one)."""
         if self._progress is None:
             metrics = self._epoch_start(resumed)
             t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
@@ -169,7 +170,7 @@ class GRPOTrainer:
         self.preemption.check(self.epoch)
         return metrics
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """After the last epoch: the same eval/save rule, so a later resume continues seamlessly."""
         final = {"epoch": self.epoch}
         if _due(self.epoch, self.cfg.test.eval_freq):
