@@ -14,7 +14,7 @@ TINY = REPO / "configs" / "tiny" / "t2is.yaml"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
 # Volatile metrics (wall-clock) that legitimately differ between two identical runs.
-VOLATILE = ("time/", "images_per_sec", "judge/latency_ms", "judge/sleep_s", "judge/wake_s")  # timings
+VOLATILE = ("time/", "images_per_sec", "throughput/", "judge/latency_ms", "judge/sleep_s", "judge/wake_s")  # timings
 
 
 def free_port() -> int:
@@ -38,9 +38,31 @@ def wandb_env(home: Path) -> dict:
             "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data")}
 
 
+def rank_launcher(nproc: int, port: int | None = None) -> list[str]:
+    """The command that starts `nproc` ranks of a script on this machine: what `deepspeed --num_gpus N`
+    runs once its runner has found the local resources, DeepSpeed's own local launcher
+    (deepspeed.launcher.launch, which spawns the ranks, sets their environment and stops them all when
+    one fails), without the runner's own interpreter start before it (an import of torch and
+    DeepSpeed per launch, seconds each). The `deepspeed` command itself is launched by
+    tests/runtime/test_distributed.py and `make demo`."""
+    import base64
+
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+            f"--master_port={port or free_port()}", "--enable_each_rank_log=None"]
+
+
+def deepspeed_cli(nproc: int, port: int | None = None) -> list[str]:
+    """`deepspeed --num_gpus N`, the command users run, runner and all: for what the runner itself does
+    (its handling of signals, tests/grpo/test_stop.py)."""
+    return [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(port or free_port())]
+
+
 def launch_cmd(script: str, run_dir: Path, *sets: str, nproc: int = 2, config: Path = TINY,
-               extra: tuple[str, ...] = ()) -> list[str]:
-    cmd = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(REPO / script),
+               extra: tuple[str, ...] = (), cli: bool = False) -> list[str]:
+    """`script` on `nproc` ranks with the tiny recipe `config` in `run_dir`; `cli`: through the
+    `deepspeed` command itself rather than its local launcher."""
+    cmd = [*(deepspeed_cli(nproc) if cli else rank_launcher(nproc)), str(REPO / script),
            "--config", str(config), "--set", f"output_dir={run_dir.parent}", "--set", f"run_name={run_dir.name}"]
     for s in sets:
         cmd += ["--set", s]
@@ -85,8 +107,7 @@ def stable(rows: list[dict]) -> list[dict]:
 def rank_probe(script: str, out: Path, name: str, nproc: int = 2, timeout: float = 300) -> list:
     """Run tests/scripts/`script` on `nproc` CPU ranks under the deepspeed launcher, writing to `out`;
     it must exit 0. Each rank's result, read from `out`/<name>_rank<r>.json."""
-    cmd = [str(DEEPSPEED), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-           str(REPO / "tests/scripts" / script), str(out)]
+    cmd = [*rank_launcher(nproc), str(REPO / "tests/scripts" / script), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, tail(proc)
     return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(nproc)]

@@ -39,11 +39,11 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
         changed = check_resume(cfg, resume, allow_changed)  # before a model, a judge or the engine exists
         if changed and dist.is_main:
             print(f"resuming {resume} with changed settings: {changed}", flush=True)
-    # The recipe's reward servers: started by local rank 0 of each node, awaited by every rank
-    # before the rewards are built, stopped when the run ends.
+    # The recipe's reward servers: started by local rank 0 of each node while the ranks build their
+    # models, awaited by every rank before the rewards are built, stopped when the run ends.
     colocate = cfg.cluster is not None and cfg.cluster.colocate  # the judges must be able to sleep
-    fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: GRPOTrainer(cfg, dist), resume,
-                   started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate))
+    servers = started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate, background=True)
+    fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: GRPOTrainer(cfg, dist, servers.ready), resume, servers)
     shutdown_distributed()
 
 

@@ -16,6 +16,7 @@ preemption saves (paco_ds/grpo/preemption.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -31,6 +32,7 @@ from paco_ds.recipe.schema import Config
 from paco_ds.data import KRepeatSampler
 from paco_ds.runtime.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
 from paco_ds.runtime.engine import create_engine, zero_stage
+from paco_ds.runtime.throughput import counting, device_peak, epoch_figures
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
@@ -56,7 +58,9 @@ log = logging.getLogger(__name__)
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: Config, dist: DistInfo):
+    def __init__(self, cfg: Config, dist: DistInfo, servers_ready=lambda: None):
+        """`servers_ready`: waits (a collective) until the run's reward servers serve; they start while
+        the models are built, and the rewards that talk to them are built after it returns."""
         self.cfg, self.dist = cfg, dist
         self.run_dir = cfg.run_dir
         _seed_everything(cfg.seed)  # identical on every rank: the tiny model and LoRA init must agree
@@ -78,6 +82,7 @@ class GRPOTrainer:
         self.policy.transformer.register_forward_pre_hook(self._count_forward)
         self.sampler = KRepeatSampler(len(self.train_items), cfg.sample.group_size, self.plan.prompts_per_epoch,
                                       dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
+        servers_ready()
         self.train_rewards, self.eval_rewards = build.rewards(cfg, dist)
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
@@ -96,6 +101,11 @@ class GRPOTrainer:
         self.epoch = 0
         self.global_step = 0
         self.guard = NonfiniteGuard(cfg.train.max_consecutive_nonfinite)  # non-finite losses, rewards, grad norms
+        # Throughput and MFU (paco_ds/runtime/throughput.py): the device's peak, and the FLOPs of the first
+        # rollout batch (per image) and the first training micro-step, counted as they run
+        self.peak_flops, self.peak_source = device_peak(dist.device, self.policy.dtype)
+        self.sample_flops_per_image: float | None = None
+        self.micro_step_flops: float | None = None
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self, resume: str | Path | None = None) -> None:
@@ -122,6 +132,7 @@ class GRPOTrainer:
             (self.run_dir / "config.yaml").write_text(recipe_to_yaml(cfg))
             stopping.clear_preempted(self.run_dir)  # training again: an earlier preemption is not this run's status
             log.info("run directory: %s", self.run_dir)
+            log.info("MFU against %.3g TFLOP/s per device (%s)", self.peak_flops / 1e12, self.peak_source)
 
     def run_epoch(self, resumed: bool) -> None:
         """One epoch: its start, its samples and scores (unless a mid-epoch checkpoint holds them),
@@ -147,14 +158,25 @@ class GRPOTrainer:
         metrics = self._progress.metrics | self.train_epoch()
         self._progress = None
         t_train = time.perf_counter() - t0 - t_sample - t_reward
+        seconds = time.perf_counter() - t0
         metrics |= {"time/sample": t_sample, "time/reward_wait": t_reward, "time/train": t_train,
-                    "time/epoch": time.perf_counter() - t0, "global_step": self.global_step,
-                    "images_per_sec": self.plan.samples_per_epoch / (time.perf_counter() - t0)}
+                    "time/epoch": seconds, "global_step": self.global_step,
+                    "images_per_sec": self.plan.samples_per_epoch / seconds}
+        metrics |= epoch_figures(self.plan.samples_per_epoch, seconds, self.dist.world_size, self.flops_per_image(),
+                                 self.peak_flops)
         if self.cfg.model.compile or self.cfg.deepspeed.engine_compile:
             metrics |= compile_counters()
         self.logger.log(metrics, step=self.epoch)
         self._print_epoch(metrics)
         self.epoch += 1
+
+    def flops_per_image(self) -> float | None:
+        """Model FLOPs per trained image: its rollout, and its share of the epoch's micro-steps (each
+        trains train.batch_size samples at one step); None until both were counted."""
+        if self.sample_flops_per_image is None or self.micro_step_flops is None:
+            return None
+        return self.sample_flops_per_image + self.micro_step_flops * self.plan.micro_steps_per_rank / \
+            self.plan.samples_per_rank
 
     def _epoch_start(self, resumed: bool) -> dict:
         """The judges awake, the evaluation and checkpoint when due (a resumed run's first epoch is
@@ -202,7 +224,12 @@ class GRPOTrainer:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
                 picks = [Pick(self.train_items[i], i, p, int(member[p])) for i, p in zip(rb.indices, rb.positions)]
                 for (h, w), picks in self.rollouts.by_size(picks, cfg.train.resolution):
-                    traj = self.rollouts.sample(module, picks, h, w, self.epoch)
+                    if self.sample_flops_per_image is None:  # counted once, on the run's own code path
+                        with counting() as count:
+                            traj = self.rollouts.sample(module, picks, h, w, self.epoch)
+                        self.sample_flops_per_image = count.flops / len(picks)
+                    else:
+                        traj = self.rollouts.sample(module, picks, h, w, self.epoch)
                     # scores while we sample on; editing rewards compare against the original references
                     self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, self.rollouts.references(traj))
                     out.trajectories.append(traj)
@@ -297,16 +324,20 @@ class GRPOTrainer:
         return self._train_metrics(progress, total)
 
     def _micro_step(self, batch: TrainingBatch, t: int, boundary: bool, scale: int) -> dict:
-        loss, stats = self.loss(self.engine, batch, t)
-        skip = any_true(not bool(torch.isfinite(loss)))
-        self.engine.set_gradient_accumulation_boundary(boundary)
-        if skip:
-            # Every rank skips this backward together (ZeRO-3 collectives must match); the
-            # optimizer step still happens at the boundary with the other micro-steps' gradients.
-            self.guard.nonfinite(f"non-finite loss at epoch {self.epoch}")
-        else:
-            self.guard.finite()
-            self.engine.backward(loss / scale, scale_wrt_gas=False)
+        count = counting() if self.micro_step_flops is None else contextlib.nullcontext()
+        with count as counted:
+            loss, stats = self.loss(self.engine, batch, t)
+            skip = any_true(not bool(torch.isfinite(loss)))
+            self.engine.set_gradient_accumulation_boundary(boundary)
+            if skip:
+                # Every rank skips this backward together (ZeRO-3 collectives must match); the
+                # optimizer step still happens at the boundary with the other micro-steps' gradients.
+                self.guard.nonfinite(f"non-finite loss at epoch {self.epoch}")
+            else:
+                self.guard.finite()
+                self.engine.backward(loss / scale, scale_wrt_gas=False)
+        if counted is not None and not skip:
+            self.micro_step_flops = counted.flops
         self.engine.step()
         out = dict(stats, loss=float(loss.detach()), nonfinite=float(skip))
         if boundary:
@@ -358,7 +389,8 @@ class GRPOTrainer:
     def state(self) -> dict:
         return {"epoch": self.epoch, "global_step": self.global_step, "nonfinite_streak": self.guard.streak,
                 "tracker": self.tracker.state_dict(), "ema": self.ema.state_dict() if self.ema else None,
-                "loss": self.loss.state_dict()}
+                "loss": self.loss.state_dict(),
+                "flops": {"sample_per_image": self.sample_flops_per_image, "micro_step": self.micro_step_flops}}
 
     def _meta(self) -> dict:
         from paco_ds.grpo.preflight import resume_settings
@@ -397,6 +429,9 @@ class GRPOTrainer:
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         self.loss.load_state_dict(state["loss"])
+        flops = state.get("flops") or {}  # counted by the run that wrote the checkpoint (none before it counted)
+        self.sample_flops_per_image = flops.get("sample_per_image", self.sample_flops_per_image)
+        self.micro_step_flops = flops.get("micro_step", self.micro_step_flops)
         partial = state.get("partial")
         self._progress = EpochProgress.from_state(partial) if partial is not None else None
         if self.dist.is_main:

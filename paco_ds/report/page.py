@@ -29,6 +29,8 @@ TRAIN_PANELS = [
     ("Advantages", "value", ["adv/adv_abs_mean", "adv/global_std", "adv/zero_std_ratio"]),
     ("Gradient norm", "norm", ["train/grad_norm"]),
     ("Phase times", "seconds", ["time/sample", "time/reward_wait", "time/train", "time/eval"]),
+    ("Throughput", "images per device-second", ["throughput/images_per_device_sec"]),
+    ("Model FLOPs utilisation", "fraction of the device's peak", ["throughput/mfu"]),
 ]
 
 HEALTHY = """

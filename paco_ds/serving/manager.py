@@ -250,6 +250,13 @@ def check_vllm_installed(cfg: ServersConfig) -> None:
 
 def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = False, sleep_mode: bool = False) -> dict:
     """Start the servers of `cfg`, wait until they serve, record them; returns the state."""
+    return launch_servers(cfg, state_dir, checked_specs(cfg, state_dir, exit_with_parent, sleep_mode))
+
+
+def checked_specs(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = False,
+                  sleep_mode: bool = False) -> list["ServerSpec"]:
+    """What `start` checks before it starts anything (servers of an earlier start still running, vLLM
+    installed, free ports), and the servers it will start."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     if (state_dir / STATE_FILE).is_file():
@@ -266,6 +273,12 @@ def start(cfg: ServersConfig, state_dir: str | Path, exit_with_parent: bool = Fa
         if _port_in_use(s.host, s.port):
             raise ServerError(f"port {s.port} on {s.host} is already in use (reward server '{s.name}'): "
                               "choose another reward_servers.port, or 0 for a free one")
+    return specs
+
+
+def launch_servers(cfg: ServersConfig, state_dir: str | Path, specs: list["ServerSpec"]) -> dict:
+    """Start `specs` (checked by `checked_specs`), wait until they serve, record them."""
+    state_dir = Path(state_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     token = os.environ.get(cfg.api_key_env)
     started: list[tuple[ServerSpec, subprocess.Popen, Path]] = []
@@ -358,53 +371,98 @@ def endpoints_for_run(cfg: ServersConfig | None, run_dir: str | Path) -> dict[st
     return read_state(run_state_dir(run_dir))["endpoints"] if cfg is not None else {}
 
 
-@contextlib.contextmanager
-def started_for_run(cfg: ServersConfig | None, run_dir: str | Path, local_rank: int,
-                    sleep_mode: bool = False) -> Iterator[None]:
-    """Start the recipe's servers on local rank 0 of each node; every rank waits (a collective)
-    until they are ready or one failed; stop them when the block exits, SIGTERM included."""
-    if cfg is None or os.environ.get("PACO_REWARD_ENDPOINTS", "").strip():  # launch/cluster.py runs the judges
-        yield
-        return
-    from paco_ds.runtime.distributed import all_gather_object
+class started_for_run(contextlib.AbstractContextManager):  # noqa: N801 - used as `with started_for_run(...)`
+    """The recipe's servers for a run: started on local rank 0 of each node, stopped when the block
+    exits, SIGTERM included. Every rank waits (a collective) until they serve or one failed: when
+    the block is entered, or, with `background=True`, at `ready()`, so that the servers load while
+    the ranks build their models (the start's checks, the port among them, still run first). The
+    block yields this object."""
 
-    state_dir = run_state_dir(run_dir)
-    owner = local_rank == 0
-    error = None
-    previous = None
-    started = False  # stop only servers this run started: a refused start must not stop another run's
-    from paco_ds.runtime import stopping
+    def __init__(self, cfg: ServersConfig | None, run_dir: str | Path, local_rank: int, sleep_mode: bool = False,
+                 background: bool = False):
+        self.cfg, self.state_dir, self.sleep_mode, self.background = cfg, run_state_dir(run_dir), sleep_mode, background
+        # launch/cluster.py runs the judges: nothing to start here
+        self.active = cfg is not None and not os.environ.get("PACO_REWARD_ENDPOINTS", "").strip()
+        self.owner = local_rank == 0
+        self.started = False  # stop only servers this run started: a refused start must not stop another run's
+        self.error: str | None = None
+        self._thread = None
+        self._previous = None
+        self._control = None
+        self._awaited = not self.active
 
-    control = stopping.current()  # a trainer's stop handling: it raises SystemExit, or forces an exit
+    def _cleanup(self) -> None:
+        stop(self.state_dir)
 
-    def cleanup() -> None:
-        stop(state_dir)
+    def __enter__(self) -> "started_for_run":
+        if not self.active:
+            return self
+        from paco_ds.runtime import stopping
 
-    if owner:
-        if control is None:
-            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that `finally` runs when the launcher stops us
-        else:
-            control.add_cleanup(cleanup)  # a forced exit skips `finally`: the judges are stopped first
+        self._control = stopping.current()  # a trainer's stop handling: it raises SystemExit, or forces an exit
+        if self.owner:
+            if self._control is None:
+                self._previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # `finally` runs when the launcher stops us
+            else:
+                self._control.add_cleanup(self._cleanup)  # a forced exit skips `finally`: the judges are stopped first
+            try:
+                specs = checked_specs(self.cfg, self.state_dir, exit_with_parent=True, sleep_mode=self.sleep_mode)
+                if self.background:
+                    import threading
+
+                    self._thread = threading.Thread(target=self._launch, args=(specs,), name="reward-servers",
+                                                    daemon=True)
+                    self._thread.start()
+                else:
+                    self._launch(specs)
+            except UserError as err:
+                self._refused(err)
+        if not self.background:
+            try:
+                self.ready()
+            except BaseException:
+                self.__exit__(None, None, None)  # the block never runs: its exit does not either
+                raise
+        return self
+
+    def _launch(self, specs) -> None:
         try:
-            start(cfg, state_dir, exit_with_parent=True, sleep_mode=sleep_mode)
-            started = True
+            launch_servers(self.cfg, self.state_dir, specs)
+            self.started = True
         except UserError as err:
-            error = str(err)
-            if control is not None:  # nothing of ours runs (start stops what it began before raising)
-                control.remove_cleanup(cleanup)
-    try:
-        errors = [e for e in all_gather_object(error) if e]
+            self._refused(err)
+
+    def _refused(self, err: UserError) -> None:
+        self.error = str(err)
+        if self._control is not None:  # nothing of ours runs (a start stops what it began before raising)
+            self._control.remove_cleanup(self._cleanup)
+
+    def ready(self) -> None:
+        """Collective: every rank returns once this node's servers serve; a failed start on any node
+        is one error on every rank."""
+        if self._awaited:
+            return
+        self._awaited = True
+        from paco_ds.runtime.distributed import all_gather_object
+
+        if self._thread is not None:
+            self._thread.join()
+        errors = [e for e in all_gather_object(self.error) if e]
         if errors:
             raise ServerError(errors[0])
-        yield
-    finally:
-        if owner:
-            if started:
-                stop(state_dir)
-            if control is None:
-                signal.signal(signal.SIGTERM, previous)
-            else:
-                control.remove_cleanup(cleanup)
+
+    def __exit__(self, *exc) -> None:
+        if not (self.active and self.owner):
+            return
+        if self._thread is not None and self._thread.is_alive():
+            stop(self.state_dir)  # a start under way: what it recorded stops, which ends its wait
+            self._thread.join()
+        if self.started or self._thread is not None:
+            stop(self.state_dir)
+        if self._control is None:
+            signal.signal(signal.SIGTERM, self._previous)
+        else:
+            self._control.remove_cleanup(self._cleanup)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distributed_runs import (DEEPSPEED, REPO, cpu_env, free_port, launch_cmd, metrics, run_trainer, stable, tail,
+from distributed_runs import (REPO, cpu_env, deepspeed_cli, launch_cmd, metrics, run_trainer, stable, tail,
                               wandb_env)
 from wandb_records import (exit_code, history, numbers, offline_runs, run_record, wandb_processes,
                            was_marked_preempting)
@@ -35,7 +35,7 @@ STOP_BOUND_S = 30  # the promise: every rank and judge gone within 30 s of the s
 
 
 def _start(run_dir, *sets):
-    return subprocess.Popen(launch_cmd("launch/train.py", run_dir, *sets), cwd=REPO, env=cpu_env(),
+    return subprocess.Popen(launch_cmd("launch/train.py", run_dir, *sets, cli=True), cwd=REPO, env=cpu_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -216,7 +216,8 @@ def test_a_full_disk_mid_run_is_one_line_and_keeps_the_last_checkpoint(tmp_path)
     disk = tmp_path / "disk"
     disk.mkdir()
     run_dir = disk / "run"
-    train = launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE)
+    train = launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", *SHORT, *NO_JUDGE,
+                       cli=True)
     code, out, err = _fill_the_disk_after(train, disk, run_dir, "epoch_0001",
                                           after=f'{sys.executable} -c "{VERIFY_LATEST}" "{run_dir}";')
     assert code == 74, err[-4000:]
@@ -232,7 +233,7 @@ def test_reward_sft_on_a_full_disk_names_a_file_of_its_run(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     run_dir = disk / "tiny_reward_sft"
-    sft = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/sft.py"),
+    sft = [*deepspeed_cli(2), str(REPO / "launch/sft.py"),
            "--config", str(REPO / "configs/tiny/reward_sft.yaml"), "--set", f"output_dir={disk}",
            "--set", "train.num_epochs=200", "--set", "eval.at_start=false"]
     code, _, err = _fill_the_disk_after(sft, disk, run_dir, "step_")

@@ -26,7 +26,7 @@ EPOCH_FIELDS = [
     "reward/pickscore/mean", "reward/consistency_score/mean", "reward/combined/mean", "adv/adv_abs_mean", "adv/zero_std_ratio", "adv/global_std",
     "train/loss", "train/policy_loss", "train/kl", "train/ratio", "train/ratio_first", "train/clipfrac",
     "train/grad_norm", "train/nonfinite_steps", "time/sample", "time/reward_wait", "time/train", "time/epoch",
-    "images_per_sec", "global_step",
+    "images_per_sec", "throughput/images_per_device_sec", "throughput/mfu", "global_step",
 ]
 
 
@@ -198,3 +198,11 @@ def test_allow_changed_resumes_a_deliberate_change(full_run, tmp_path):
     out = _dry_resume(full_run, tmp_path, "train.loss=nft", allow=("train.loss",))
     assert out.returncode == 0, out.stderr
     assert "changed settings: train.loss 'ppo' -> 'nft'" in out.stdout
+
+
+def test_every_epoch_logs_images_per_device_second_and_an_mfu_that_the_counted_flops_give(full_run):
+    """images/device-s is the epoch's images over its seconds and the 2 ranks; MFU is the counted FLOPs
+    per image at that rate over the CPU's measured matmul peak: a fraction of it, not more."""
+    for r in (r for r in metrics(full_run) if "time/epoch" in r):
+        assert r["throughput/images_per_device_sec"] == pytest.approx(r["images_per_sec"] / 2)
+        assert 0 < r["throughput/mfu"] < 1

@@ -9,7 +9,7 @@ import pytest
 
 
 from conftest import one_line_error, run_cli
-from distributed_runs import REPO, TINY, cpu_env, free_port, metrics, tail
+from distributed_runs import REPO, TINY, VOLATILE, cpu_env, free_port, metrics, stable, tail
 
 pytestmark = pytest.mark.runs
 
@@ -110,7 +110,7 @@ def test_cpp_and_torch_kernel_backends_train_alike(tmp_path):
     for a, b in zip(runs["cpp"], runs["torch"]):
         assert set(a) == set(b)
         for k, v in a.items():
-            if k.startswith(("time/", "images_per_sec")):
+            if k.startswith(VOLATILE):
                 continue
             tol = next((t for prefix, t in BACKEND_TOLERANCE.items() if k.startswith(prefix)), 0.0)
             assert abs(v - b[k]) <= tol, (a["epoch"], k, v, b[k])
@@ -126,8 +126,7 @@ def test_gradient_checkpointing_changes_memory_not_results(tmp_path):
     # activations autograd keeps for backward per training forward: the blocks' are recomputed instead
     assert saved["plain"]["forwards"] == saved["checkpointed"]["forwards"] > 0
     assert saved["checkpointed"]["max_bytes"] < 0.5 * saved["plain"]["max_bytes"], saved
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "images_per_sec"))} for r in rows]  # noqa: E731
-    assert strip(runs["checkpointed"]) == strip(runs["plain"])
+    assert stable(runs["checkpointed"]) == stable(runs["plain"])
 
 
 def test_a_run_with_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path):

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port
+from distributed_runs import REPO, cpu_env, free_port, rank_launcher
 from paco_ds.models.tiny.sd3 import save_sd3_folder
 
 pytestmark = pytest.mark.runs
@@ -67,8 +67,8 @@ def test_mismatched_checkpoint_is_refused_before_any_collective(sharded_folder, 
 
 
 def test_partitioned_load_equals_naive_two_ranks(sharded_folder, tmp_path):
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "tests" / "scripts" / "zero3_load_probe.py"), "--folder", str(sharded_folder),
+    cmd = [*rank_launcher(2, free_port()), str(REPO / "tests" / "scripts" / "zero3_load_probe.py"),
+           "--folder", str(sharded_folder),
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + "\n---\n" + proc.stderr[-3000:]
@@ -92,12 +92,12 @@ def test_zero3_partitioned_load_equals_the_plain_one_on_two_ranks(tmp_path):
     import json
     import subprocess
 
-    from distributed_runs import DEEPSPEED, REPO, cpu_env, free_port
+    from distributed_runs import REPO, cpu_env, free_port
 
     folder = save_sd3_folder(tmp_path / "sd3", max_shard_size="50KB")
     assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()  # sharded
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "tests" / "scripts" / "sd3_zero3_probe.py"), "--folder", str(folder), "--out", str(tmp_path)]
+    cmd = [*rank_launcher(2, free_port()), str(REPO / "tests" / "scripts" / "sd3_zero3_probe.py"), "--folder",
+           str(folder), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + "\n---\n" + proc.stderr[-3000:]
     reports = [json.loads((tmp_path / f"sd3_zero3_rank{r}.json").read_text()) for r in range(2)]

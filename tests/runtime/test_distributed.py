@@ -90,10 +90,9 @@ def test_a_rank_whose_peer_failed_says_so_in_one_line_and_the_run_exits_with_the
     the lost peer in one line, no traceback, and the launcher's status is rank 0's."""
     import subprocess
 
-    from distributed_runs import DEEPSPEED, REPO, cpu_env
+    from distributed_runs import REPO, cpu_env, deepspeed_cli
 
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "tests/scripts/peer_gone_probe.py")]
+    cmd = [*deepspeed_cli(2, free_port()), str(REPO / "tests/scripts/peer_gone_probe.py")]
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     err = proc.stderr
     assert proc.returncode == 74, err[-3000:]

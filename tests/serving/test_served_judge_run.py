@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import REPO, TINY
-from distributed_runs import DEEPSPEED, finish
+from distributed_runs import finish, rank_launcher
 
 from paco_ds.runtime import processes
 from paco_ds.serving import manager
@@ -25,8 +25,8 @@ BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take
 def _launch(tmp_path, *sets):
     consistency = ("{consistency_score: {weight: 1.0, model: paco-reward-tiny, top_logprobs: 267, "
                    f"retry_budget: {BUDGET}, backoff: 0.1}}}}")
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-            str(REPO / "launch/train.py"), "--config", str(TINY), "--set", f"output_dir={tmp_path}",
+    args = [*rank_launcher(2, free_port()), str(REPO / "launch/train.py"), "--config", str(TINY),
+            "--set", f"output_dir={tmp_path}",
             "--set", f"rewards.train.terms={consistency}", "--set", "test.eval_freq=0",
             "--set", "checkpoint.save_freq=0", "--set", "logging.num_train_images=0",
             "--set", "sample.group_size=4", "--set", "sample.noise_steps=[1]"]  # 8 samples, 1 trained step
@@ -84,8 +84,7 @@ def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path
 def test_tiny_run_colocated_sleeps_the_judge_for_training(tmp_path):
     """2 ZeRO-3 ranks on CPU, 2 epochs, evaluation after the last: epoch 0 sleeps the judge (it starts
     awake), epoch 1 wakes and sleeps it, the final evaluation wakes it."""
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(manager.free_port()),
-            str(REPO / "launch/train.py"), "--config", str(TINY)]
+    args = [*rank_launcher(2, manager.free_port()), str(REPO / "launch/train.py"), "--config", str(TINY)]
     for s in (f"output_dir={tmp_path}", "train.num_epochs=2", "test.eval_freq=2", "checkpoint.save_freq=0",
               "logging.num_train_images=0", "sample.group_size=4", "sample.noise_steps=[1]",
               "cluster.colocate=true"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from distributed_runs import DEEPSPEED, finish, metrics
+from distributed_runs import finish, metrics, rank_launcher
 
 from paco_ds.runtime import processes
 from paco_ds.serving.manager import free_port
@@ -27,7 +27,7 @@ BUDGET = 3.0  # seconds of retries per request (a loaded 2-core machine can take
 
 
 def _launch(tmp_path, *sets, recipe=RECIPE):
-    args = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
+    args = [*rank_launcher(2, free_port()), str(REPO / "launch/train.py"),
             "--config", str(recipe), "--set", f"output_dir={tmp_path}", "--set", "test.eval_freq=0",
             "--set", "checkpoint.save_freq=0", "--set", "logging.num_train_images=0",
             "--set", "sample.group_size=4", "--set", "sample.noise_steps=[1]"]  # 8 samples, 1 trained step
