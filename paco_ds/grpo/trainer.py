@@ -145,7 +145,7 @@ class GRPOTrainer:
             t_sample = time.perf_counter() - t0
             # what sample.ode_steps and sample.share_prefix save shows here
             metrics["sample/transformer_calls"] = float(sum(all_gather_object(samples.transformer_calls)))
-            self.policy.park_text_encoders(True)  # the epoch's embeddings are cached: off the GPU until next epoch
+            self.policy.park_text_encoders(True)  # off the GPU until a prompt is encoded (Rollouts.encoded)
             metrics |= self.score_epoch(samples)
             t_reward = time.perf_counter() - t0 - t_sample
             metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
@@ -182,7 +182,6 @@ class GRPOTrainer:
         """The judges awake, the evaluation and checkpoint when due (a resumed run's first epoch is
         its checkpoint already). Until scoring, this is the state a preemption saves."""
         metrics = {"epoch": self.epoch} | self._colocated_judges(wake=True)
-        self.policy.park_text_encoders(False)  # evaluation and sampling encode prompts
         if _due(self.epoch, self.cfg.test.eval_freq):
             metrics |= self.evaluate()
         saved = _due(self.epoch, self.cfg.checkpoint.save_freq) and not resumed
@@ -197,7 +196,6 @@ class GRPOTrainer:
         final = {"epoch": self.epoch}
         if _due(self.epoch, self.cfg.test.eval_freq):
             final |= self._colocated_judges(wake=True)
-            self.policy.park_text_encoders(False)
             final |= self.evaluate()
             self.logger.log(final, step=self.epoch)
         if self.cfg.checkpoint.save_freq:

@@ -387,8 +387,11 @@ class Policy(ABC):
         Qwen2.5-VL-7B 15.4 GiB per rank, docs/gpu_plan.md); on a CPU there is nothing to move."""
         if self.device.type == "cpu":
             return
+        target = torch.device("cpu") if parked else self.device
         for m in self.text_encoders():
-            m.to("cpu" if parked else self.device)
+            p = next(m.parameters(), None)
+            if p is not None and p.device != target:  # moved only when elsewhere (no copy to where it is)
+                m.to(target)
 
     @contextlib.contextmanager
     def adapter_disabled(self, module: nn.Module | None = None) -> Iterator[None]:

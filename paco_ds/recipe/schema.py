@@ -152,6 +152,9 @@ class SampleConfig(Section):
     # ...whose k images are then equal until the group's first SDE step: those steps are walked once per
     # group and shared (paco_ds/sampling/rollouts.py; not under deepspeed.rollout_gather=per_step with ZeRO-3)
     share_prefix: bool = True
+    # Host memory for each prompt's embeddings (and an edit's encoded references) across epochs: a
+    # prompt that comes back is not encoded again (paco_ds/sampling/prompt_cache.py); 0 turns it off.
+    prompt_cache_gib: float = Field(4.0, ge=0)
     # Fewer steps where nothing is trained (paco_ds/sampling/solver.py): each ODE-only stretch of a
     # training rollout in at most `ode_steps` steps (null: the schedule's), taken by `ode_solver`.
     ode_solver: Literal["euler", "ab2"] = "euler"

@@ -23,6 +23,7 @@ from paco_ds.runtime.engine import gathered_for_phase
 from paco_ds.images import to_pil
 from paco_ds.models.base import Condition, Policy
 from paco_ds.models.compile import compiled_while_gathered
+from paco_ds.sampling.prompt_cache import PromptCache
 from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import Trajectory, make_generator, ode_prefix, sample_trajectories
 from paco_ds.sampling.tree import TreeCache, sample_tree
@@ -65,6 +66,8 @@ class Rollouts:
         # sample.tree: the epoch's nodes on this rank
         self._tree = TreeCache(cfg.seed, cfg.sample.tree.branches) if cfg.sample.tree is not None else None
         self.transformer_calls = 0  # rows x steps sampled so far (the plan and the shared prefixes make it smaller)
+        # each prompt's embeddings and encoded reference images, kept across epochs (prompt_cache.py)
+        self.prompts = PromptCache(cfg.sample.prompt_cache_gib * 2 ** 30)
 
     def spec(self, epoch: int) -> SamplingSpec:
         """The epoch's training SamplingSpec: the recipe's, with the loss's SDE step and needs; a
@@ -112,14 +115,25 @@ class Rollouts:
         per_item = [read_references(it) for it in items]
         return self.policy.encode_condition([refs[0] if len(refs) == 1 else tuple(refs) for refs in per_item], h, w)
 
+    def encoded(self, picks: list[Pick], h: int, w: int, split: str) -> tuple:
+        """(embeddings, condition) of the picks' prompts at h x w, from the prompt cache where an
+        earlier batch encoded them; the text encoders come back to the device only to encode."""
+        def encode(rows: list[int]):
+            self.policy.park_text_encoders(False)
+            items = [picks[r].item for r in rows]
+            condition = self.condition(items, h, w)
+            return self.policy.encode_prompts([it.prompt for it in items], condition), condition
+
+        return self.prompts.encoded([(split, p.group, h, w) for p in picks], encode)
+
     def sample(self, module, picks: list[Pick], h: int, w: int, epoch: int) -> Trajectory:
         """One training rollout batch: the recipe's noise steps (or SDE window), log pi_old of the
         trained steps and what the loss needs; latents and noise keyed by (seed, epoch, position)."""
         cfg, seed = self.cfg, self.cfg.seed
         spec = self.spec(epoch)
         prompts = [p.item.prompt for p in picks]
-        condition = self.condition([p.item for p in picks], h, w)
-        batch = RolloutBatch(prompts=prompts, embeds=self.policy.encode_prompts(prompts, condition), height=h, width=w,
+        embeds, condition = self.encoded(picks, h, w, "train")
+        batch = RolloutBatch(prompts=prompts, embeds=embeds, height=h, width=w,
                              condition=condition, metadata=[p.item.metadata for p in picks],
                              positions=[p.position for p in picks], group_ids=[p.group for p in picks])
         if self._tree is not None:
@@ -171,8 +185,8 @@ class Rollouts:
         index (the pick's group id), so an image does not depend on the rank that samples it."""
         cfg = self.cfg
         prompts = [p.item.prompt for p in picks]
-        condition = self.condition([p.item for p in picks], h, w)
-        batch = RolloutBatch(prompts=prompts, embeds=self.policy.encode_prompts(prompts, condition), height=h, width=w,
+        embeds, condition = self.encoded(picks, h, w, "test")
+        batch = RolloutBatch(prompts=prompts, embeds=embeds, height=h, width=w,
                              condition=condition, metadata=[p.item.metadata for p in picks],
                              positions=[p.position for p in picks], group_ids=[p.group for p in picks],
                              generators=[make_generator(cfg.seed, "eval", p.group) for p in picks])

@@ -216,3 +216,39 @@ def test_batched_rollouts_agree_with_one_sample_at_a_time(tiny_policy, batch):
         torch.testing.assert_close(getattr(together, name), torch.cat([getattr(a, name) for a in alone]),
                                    rtol=1e-4, atol=1e-4, msg=name)
     assert (together.images.float() - torch.cat([a.images for a in alone]).float()).abs().max() <= 1
+
+
+# ------------------------------------------------------------------------------------ the prompt cache
+def test_a_prompt_that_comes_back_is_not_encoded_again_and_samples_the_same(tiny_policy, monkeypatch):
+    """Across epochs a prompt's embeddings come from the cache (the text encoders do not run), and the
+    epoch samples what it samples with fresh embeddings; with the cache off every batch encodes."""
+    cfg = cfg_with("sample.noise_steps=[1]")
+    calls = []
+    encode = tiny_policy.encode_prompts
+    monkeypatch.setattr(tiny_policy, "encode_prompts", lambda prompts, condition=None: (
+        calls.append(len(prompts)), encode(prompts, condition))[1])
+    cached, fresh = rollouts(tiny_policy, cfg), rollouts(tiny_policy, cfg_with("sample.noise_steps=[1]",
+                                                                               "sample.prompt_cache_gib=0"))
+    picks = picks_of([0, 1], 2)
+    cached.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=0)
+    assert calls == [1, 1] and len(cached.prompts) == 2  # each prompt once, alone
+    again = cached.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=1)
+    assert calls == [1, 1] and cached.prompts.hits == 2 + 4  # its own group mates, then the whole batch
+    calls.clear()
+    plain = fresh.sample(tiny_policy.transformer, picks, SIZE, SIZE, epoch=1)
+    assert calls == [4]
+    assert torch.equal(again.embeds.prompt_embeds, plain.embeds.prompt_embeds)
+    assert torch.equal(again.log_prob, plain.log_prob) and torch.equal(again.images, plain.images)
+
+
+def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_budget():
+    from paco_ds.models.base import TextEmbeds
+    from paco_ds.sampling.prompt_cache import PromptCache
+
+    row = lambda r: (TextEmbeds(torch.full((1, 4, 8), float(r))), None)  # noqa: E731 - 128 bytes
+    cache = PromptCache(budget_bytes=300)
+    for key in "abc":
+        cache.encoded([key], lambda rows, k=key: row(ord(k)))
+    assert len(cache) == 2 and cache.bytes == 256  # "a", the least recently used, went first
+    embeds, _ = cache.encoded(["c", "b"], lambda rows: pytest.fail("both are cached"))
+    assert embeds.prompt_embeds[:, 0, 0].tolist() == [ord("c"), ord("b")]
