@@ -9,7 +9,7 @@ from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem, load_prompts
 from paco_ds.runtime.distributed import DistInfo
 from paco_ds.runtime.dtypes import resolve_dtype
-from paco_ds.runtime.engine import build_ds_config, gathers_per_step, load_ds_config, zero_stage
+from paco_ds.runtime.engine import build_ds_config, gathers_per_step, load_ds_config, run_zero_stage, zero_stage
 from paco_ds.grpo.plan import EpochPlan
 from paco_ds.sampling.rollouts import Rollouts
 from paco_ds.models import build_policy
@@ -33,8 +33,8 @@ def ds_config(cfg: Config, plan: EpochPlan, dist: DistInfo) -> dict:
     return build_ds_config(
         load_ds_config(cfg.resolve_path(cfg.deepspeed.config)), micro_batch=cfg.train.batch_size,
         grad_accum=plan.grad_accum_steps, world_size=dist.world_size, grad_clip=cfg.train.max_grad_norm,
-        bf16=resolve_dtype(cfg.model.dtype, dist.device) == torch.bfloat16, zero_stage=cfg.deepspeed.zero_stage,
-        overrides=cfg.deepspeed.overrides)
+        bf16=resolve_dtype(cfg.model.dtype, dist.device) == torch.bfloat16,
+        zero_stage=run_zero_stage(cfg, dist.world_size), overrides=cfg.deepspeed.overrides)
 
 
 def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None):

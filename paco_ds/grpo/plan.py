@@ -192,6 +192,15 @@ def rollout_line(cfg: Config) -> str:
     return out
 
 
+def zero_line(cfg: Config, world_size: int) -> str:
+    from paco_ds.runtime.engine import recipe_zero_stage, run_zero_stage
+
+    stage, recipe = run_zero_stage(cfg, world_size), recipe_zero_stage(cfg)
+    if stage == recipe:
+        return str(stage)
+    return f"{stage} (the recipe's {recipe} partitions nothing on one process)"
+
+
 def loss_line(cfg: Config) -> str:
     """The loss that trains and its settings (its own section, the KL weight, the optimizer's)."""
     section = cfg.train.loss_section
@@ -213,6 +222,7 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unj
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),
         ("samples per epoch", plan.samples_per_epoch), ("samples per rank", plan.samples_per_rank),
         ("loss", loss_line(cfg)),
+        ("ZeRO stage", zero_line(cfg, plan.world_size)),
         ("trained steps", list(plan.train_timesteps)), ("rollout", rollout_line(cfg)),
         ("micro-steps per rank", plan.micro_steps_per_rank),
         ("gradient accumulation", plan.grad_accum_steps), ("optimizer steps per epoch", plan.optimizer_steps_per_epoch),

@@ -148,6 +148,17 @@ def recipe_zero_stage(cfg) -> int:
     return int(stage)
 
 
+def run_zero_stage(cfg, world_size: int) -> int:
+    """The ZeRO stage a run uses on `world_size` processes: the recipe's, except ZeRO-3 on one process,
+    which partitions nothing there and only adds its per-module hooks and its flat optimizer copy
+    (measured: the training phase 8% slower than stage 0-2 on the same epoch, docs/benchmarks.md);
+    one process runs stage 0 instead, unless deepspeed.engine_compile asks for ZeRO-3's own compile."""
+    stage = recipe_zero_stage(cfg)
+    if stage == 3 and world_size == 1 and not cfg.deepspeed.engine_compile:
+        return 0
+    return stage
+
+
 def gathers_per_step(cfg) -> bool:
     """Whether a run of this recipe gathers its ZeRO-3 transformer in every sampling forward
     (deepspeed.rollout_gather: per_step), a collective in each forward: ranks must then run the same
