@@ -54,10 +54,14 @@ def tiny_judge(**overrides) -> Iterator[str]:
 
 
 def write_report(name: str, report: dict, out: Path, machine_info: dict) -> Path:
-    """`machine_info`: `machine()` taken when the benchmark started (the load average matters)."""
+    """`machine_info`: `machine()` taken when the benchmark started (the load average matters). The
+    report records the commit it ran and whether the tree was clean (kernels/bench/source.py)."""
+    from kernels.bench.source import source_state
+
     out.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": name, "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info, **report}
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info,
+              "source": source_state(), **report}
     path = out / f"{name}.json"
     path.write_text(json.dumps(report, indent=1))
     return path

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from paco_ds.runtime import stopping
+from paco_ds.runtime import startup, stopping
 from paco_ds.runtime.checkpoint import CheckpointManager
 from paco_ds.recipe.schema import Config
 from paco_ds.runtime.distributed import setup_distributed, shutdown_distributed
@@ -20,9 +20,11 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     if export_only:  # one process, from the checkpoint files: no model, no process group, no judge
         _export_only(cfg, export_only)
         return
+    startup.mark("imports")
     # First: a stop (a signal, or the launcher's end) must reach a rank however far it got.
     stopping.install(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.sigterm_grace_s)
     dist = setup_distributed()
+    startup.mark("process_group")
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
     # Before anything starts or is written (paco_ds/grpo/preflight.py): the recipe and its data,
     # the checkpoint to resume (verified), then the run directory's lock, held for the whole run.
@@ -39,6 +41,7 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
         changed = check_resume(cfg, resume, allow_changed)  # before a model, a judge or the engine exists
         if changed and dist.is_main:
             print(f"resuming {resume} with changed settings: {changed}", flush=True)
+    startup.mark("checks")
     # The recipe's reward servers: started by local rank 0 of each node while the ranks build their
     # models, awaited by every rank before the rewards are built, stopped when the run ends.
     colocate = cfg.cluster is not None and cfg.cluster.colocate  # the judges must be able to sleep

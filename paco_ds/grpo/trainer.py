@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from paco_ds.runtime import stopping
+from paco_ds.runtime import startup, stopping
 from paco_ds.runtime.checkpoint import CheckpointManager
 from paco_ds.recipe.schema import Config
 from paco_ds.data import KRepeatSampler
@@ -69,6 +69,7 @@ class GRPOTrainer:
         self._progress: EpochProgress | None = None  # the epoch being trained, or a mid-epoch checkpoint's
         self.ds_config = build.ds_config(cfg, self.plan, dist)
         self.policy = build.adapted_policy(cfg, dist.device, self.ds_config)
+        startup.mark("models")
         self.loss = build_loss(cfg, self.policy)
         self.trainable = [p for p in self.policy.transformer.parameters() if p.requires_grad]
         self.engine = create_engine(self.policy.transformer, self.trainable, self.ds_config,
@@ -76,6 +77,7 @@ class GRPOTrainer:
                                     eps=cfg.train.adam_epsilon, weight_decay=cfg.train.weight_decay)
         if cfg.deepspeed.engine_compile:  # ZeRO-3 (preflight): the training steps through torch.compile
             self.engine.compile()
+        startup.mark("engine")
         self.loss.setup(self.trainable)  # e.g. DiffusionNFT's old policy: a copy of the (partitioned) adapter
         self.ema = EMA(self.trainable, cfg.train.ema.decay, cfg.train.ema.update_interval) \
             if cfg.train.ema.enabled else None
@@ -83,7 +85,9 @@ class GRPOTrainer:
         self.sampler = KRepeatSampler(len(self.train_items), cfg.sample.group_size, self.plan.prompts_per_epoch,
                                       dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
         servers_ready()
+        startup.mark("judges_ready")
         self.train_rewards, self.eval_rewards = build.rewards(cfg, dist)
+        startup.mark("rewards")
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
         self.rollouts = build.rollouts(cfg, self.policy, self.loss, self.engine, self.ds_config)
@@ -105,6 +109,7 @@ class GRPOTrainer:
         # rollout batch (per image) and the first training micro-step, counted as they run
         self.peak_flops, self.peak_source = device_peak(dist.device, self.policy.dtype)
         self.sample_flops_per_image: float | None = None
+        self._startup: dict[str, float] = {}  # logged with the first epoch this process runs
         self.micro_step_flops: float | None = None
 
     # ------------------------------------------------------------------------------------ loop
@@ -115,6 +120,10 @@ class GRPOTrainer:
         if resumed:
             self.load(resume if isinstance(resume, Path) else self.ckpt.resolve(resume))
         self._open_logs(resumed)
+        startup.mark("run_directory")
+        if self.dist.is_main:
+            log.info("start-up: %s", startup.summary())
+        self._startup = {f"time/startup/{k}": v for k, v in startup.marks().items()}
         while self.epoch < self.cfg.train.num_epochs:
             self.run_epoch(resumed)
             resumed = False
@@ -162,6 +171,8 @@ class GRPOTrainer:
         metrics |= {"time/sample": t_sample, "time/reward_wait": t_reward, "time/train": t_train,
                     "time/epoch": seconds, "global_step": self.global_step,
                     "images_per_sec": self.plan.samples_per_epoch / seconds}
+        metrics |= self._startup  # the first epoch this process runs: where its start-up went
+        self._startup = {}
         metrics |= epoch_figures(self.plan.samples_per_epoch, seconds, self.dist.world_size, self.flops_per_image(),
                                  self.peak_flops)
         if self.cfg.model.compile or self.cfg.deepspeed.engine_compile:
