@@ -136,12 +136,14 @@ class FakeCuda(TorchDispatchMode):
     def __enter__(self):
         self.fake.__enter__()
         self._host_first = _HostFirst().__enter__()
+        self._flash = _FlashAttention().__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._flash.__exit__(*exc)
             self._host_first.__exit__(*exc)
             self.fake.__exit__(*exc)
 
@@ -252,6 +254,25 @@ class _HostFirst(TorchFunctionMode):
             device = kwargs.pop("device")
             data = tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) else x, args[0])
             return func(data, *args[1:], **kwargs).to(device)
+        return func(*args, **kwargs)
+
+
+class _FlashAttention(TorchFunctionMode):
+    """PyTorch's SDPA restricted to its flash kernel (`sdpa_kernel(FLASH_ATTENTION)`, what diffusers'
+    `_native_flash` backend runs, `model.attention_backend: _native_flash`) picks its kernel from the
+    GPU's properties before any dispatch mode sees the call, and finds none without a GPU. Here it is
+    the flash kernel's own op, whose fake implementation keeps what the kernel keeps (the output and
+    its log-sum-exp: memory linear in the sequence, not the math path's softmax matrices) and whose
+    FLOPs the counter knows; backward is its flash backward. Unrestricted SDPA stays the math path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and torch.backends.cuda.flash_sdp_enabled() \
+                and not torch.backends.cuda.math_sdp_enabled() and kwargs.get("attn_mask") is None \
+                and not kwargs.get("enable_gqa") and len(args) == 3:
+            q, k, v = args
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
 
 
