@@ -257,23 +257,37 @@ class _HostFirst(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _FlashAttention(TorchFunctionMode):
+class _FlashAttention:
     """PyTorch's SDPA restricted to its flash kernel (`sdpa_kernel(FLASH_ATTENTION)`, what diffusers'
     `_native_flash` backend runs, `model.attention_backend: _native_flash`) picks its kernel from the
-    GPU's properties before any dispatch mode sees the call, and finds none without a GPU. Here it is
-    the flash kernel's own op, whose fake implementation keeps what the kernel keeps (the output and
-    its log-sum-exp: memory linear in the sequence, not the math path's softmax matrices) and whose
-    FLOPs the counter knows; backward is its flash backward. Unrestricted SDPA stays the math path."""
+    GPU's properties before any dispatch mode sees the call, and finds none without a GPU. While the
+    fake mode is entered, `torch.nn.functional.scaled_dot_product_attention` on fake tensors under that
+    restriction is the flash kernel's own op instead, whose fake implementation keeps what the kernel
+    keeps (the output and its log-sum-exp: memory linear in the sequence, not the math path's softmax
+    matrices) and whose FLOPs the counter knows; backward is its flash backward. The function itself is
+    swapped (not a thread-local function mode), so gradient checkpointing's recomputation, which may
+    run on autograd's thread, takes the same path. Unrestricted SDPA stays the math path."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and torch.backends.cuda.flash_sdp_enabled() \
-                and not torch.backends.cuda.math_sdp_enabled() and kwargs.get("attn_mask") is None \
-                and not kwargs.get("enable_gqa") and len(args) == 3:
-            q, k, v = args
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+    NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+    def __enter__(self):
+        self.original = original = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            call = dict(zip(self.NAMES, args)) | kwargs
+            if isinstance(call.get("query"), FakeTensor) and torch.backends.cuda.flash_sdp_enabled() \
+                    and not torch.backends.cuda.math_sdp_enabled() and call.get("attn_mask") is None \
+                    and not call.get("enable_gqa"):
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    call["query"], call["key"], call["value"], call.get("dropout_p", 0.0), call.get("is_causal", False),
+                    scale=call.get("scale"))[0]
+            return original(*args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self.original
 
 
 def fake_cuda_tensor(mode: FakeCuda, t: torch.Tensor, device: torch.device = CUDA) -> FakeTensor:

@@ -200,6 +200,14 @@ class WanPolicy(Policy):
                              f"{boundary_ratio}): it is model.family wan22's")
 
     @classmethod
+    def from_pretrained(cls, path: str, revision: str | None, dtype: torch.dtype, ds_config: dict | None = None) -> dict:
+        """The declared parts; a checkpoint of the other Wan family is refused before any weight loads."""
+        from paco_ds.models.base import revision_kwargs
+
+        cls.check_experts(cls.checkpoint_extras(path, dtype, revision_kwargs(revision))["boundary_ratio"])
+        return super().from_pretrained(path, revision, dtype, ds_config)
+
+    @classmethod
     def checkpoint_extras(cls, path: str, dtype: torch.dtype, kw: dict) -> dict:
         """The pipeline's flags from the checkpoint's model_index.json: Wan2.2's expert boundary and
         TI2V-5B's per-token timesteps."""

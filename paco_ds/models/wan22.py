@@ -69,7 +69,32 @@ def experts_class():
                 return experts
 
             def forward(self, *args, expert: int, **kwargs):
-                return (self.transformer, self.transformer_2)[expert](*args, **kwargs)
+                out = (self.transformer, self.transformer_2)[expert](*args, **kwargs)
+                idle = [p for p in (self.transformer_2, self.transformer)[expert].parameters() if p.requires_grad]
+                if not (torch.is_grad_enabled() and idle):
+                    return out
+                # The idle expert's adapter gets a zero gradient in every backward, not none: ZeRO-3
+                # overwrites a parameter's gradient partition at the first micro-step of an accumulation
+                # window only for parameters that have a gradient, so one without would step with the
+                # gradient it kept from the previous window (and a resumed run, whose buffers start at
+                # zero, would train differently). Its weights are gathered for that (register_idle).
+                zero = sum(p.sum() for p in idle) * 0.0
+                first = out[0] if isinstance(out, tuple) else out.sample
+                return (first + zero.to(first.dtype), *out[1:]) if isinstance(out, tuple) else \
+                    type(out)(sample=first + zero.to(first.dtype))
+
+            def add_adapter(self, adapter_config, adapter_name: str = "default") -> None:
+                super().add_adapter(adapter_config, adapter_name)
+                self.register_idle()
+
+            def register_idle(self) -> None:
+                """Under ZeRO-3, every forward of this module gathers both experts' adapters (the
+                idle one for its zero gradient, above); a no-op elsewhere."""
+                from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+                for p in self.parameters():
+                    if p.requires_grad:
+                        register_external_parameter(self, p)
 
             def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", **kwargs):
                 """An exported adapter (model.lora.path): the high-noise expert's from the folder, the
@@ -83,6 +108,10 @@ def experts_class():
                 self.transformer_2.load_lora_adapter(str(second), prefix=prefix, **kwargs)
                 self.peft_config = dict(self.transformer.peft_config)
                 self._hf_peft_config_loaded = True
+                for name, p in self.named_parameters():  # trained from here, as add_lora marks them
+                    if "lora_" in name:
+                        p.requires_grad_(True)
+                self.register_idle()
 
         _EXPERTS = WanExperts
     return _EXPERTS
