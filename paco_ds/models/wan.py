@@ -22,8 +22,9 @@ The components are driven as diffusers' `WanPipeline` (pipelines/wan/pipeline_wa
   the pipeline's UniPC multistep corrector is not used: the SDE and its log-prob need one
   Gaussian transition per step.
 - guidance: `sample.guidance_scale` above 1 is classifier-free guidance with the empty negative
-  prompt (the pipeline's default negative), cond and uncond in one batched forward,
-  v = v_u + g (v_c - v_u); with gradients on v_u is detached, as Flow-GRPO's `compute_log_prob`.
+  prompt (the pipeline's default negative), v = v_u + g (v_c - v_u), cond and uncond in two calls as
+  the pipeline makes them; v_u runs without gradients (Flow-GRPO's `compute_log_prob` detaches it),
+  so training keeps the activations of the conditional call only (`train/forwards_per_step` 2).
 - TI2V-5B (`expand_timesteps` in its model_index.json): the timestep is given per latent token,
   as the pipeline does for text-to-video there (every token at t).
 
@@ -285,16 +286,15 @@ class WanPolicy(Policy):
         b = latents.shape[0]
         t = self.timesteps(sigma, b)
         x = latents.to(self.device, self.dtype)
-        text = self.text_rows(embeds)
-        cfg = guidance > 1
-        if cfg:
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            text = torch.cat([self.text_rows(self.negative_here()).expand(b, -1, -1), text])
-        out = self.transformer_call(module, x, t, text)
-        if cfg:
-            uncond, cond = out.chunk(2)
-            uncond = uncond.detach()  # compute_log_prob's stop-gradient (no-op while sampling)
-            out = uncond + guidance * (cond - uncond)
+        out = self.transformer_call(module, x, t, self.text_rows(embeds))
+        if guidance > 1:
+            # The unconditional velocity in a call of its own, as the pipeline makes it, and without
+            # gradients (compute_log_prob's stop-gradient): its activations are not kept, which halves
+            # a training forward's (a video's are the largest part of its memory), and sampling makes
+            # the same two calls, so a training step recomputes the sampled log-prob exactly.
+            with torch.no_grad():
+                uncond = self.transformer_call(module, x, t, self.text_rows(self.negative_here()).expand(b, -1, -1))
+            out = uncond + guidance * (out - uncond)
         return out
 
     def transformer_call(self, module: nn.Module, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
