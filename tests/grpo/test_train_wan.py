@@ -10,7 +10,7 @@ import torch
 
 from distributed_runs import REPO, T2V_FIELDS, family_run_resumes_exactly
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.video  # make test-video: minutes of launches, outside CI
 
 # Two short epochs; EMA every optimizer step so that the exported (EMA) adapter has moved by the end.
 SHORT = ("train.num_epochs=2", "test.eval_freq=0", "checkpoint.save_freq=1", "checkpoint.keep_last=2",
