@@ -63,7 +63,7 @@ def test_registered_with_the_published_checkpoints_and_wans_targets():
 def test_ode_sampling_and_the_decoded_video_are_the_pipelines(base, family, guidance):
     """The same latents and prompts through the policy's ODE rollout and through WanPipeline: the same
     final latents, and the decoded video equals the pipeline's frames (within one uint8 level).
-    Guidance 3 runs cond and uncond in one batched call where the pipeline makes two."""
+    Guidance 3 runs cond and uncond in two calls, as the pipeline does."""
     options, side = FAMILIES[family]
     policy = base[family]
     saved = policy.scheduler_config
