@@ -172,6 +172,12 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path
                           timeout=timeout)
 
 
+def dry_run(recipe: Path, output_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    """`launch/train.py --dry-run` of `recipe` with `--set` of each of `sets`, writing under `output_dir`."""
+    return run_cli("launch/train.py", "--config", str(recipe), "--dry-run", "--set", f"output_dir={output_dir}",
+                   *[a for s in sets for a in ("--set", s)])
+
+
 def load_exported_lora(policy, pipe, folder: Path):
     """Export the policy's adapter into `folder` as a run does and load it into the family's diffusers
     `pipe` (load_lora_weights): every trained LoRA matrix arrives. Returns the pipeline."""

@@ -173,18 +173,15 @@ def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path, family):
 
 
 def test_frames_and_sizes_are_checked_before_anything_loads(tmp_path):
-    from conftest import REPO, one_line_error, run_cli
+    from conftest import REPO, dry_run, one_line_error
 
-    recipe = str(REPO / "configs/tiny/wan_t2v.yaml")
-    line = one_line_error(run_cli("launch/train.py", "--config", recipe, "--dry-run", "--set", f"output_dir={tmp_path}",
-                                  "--set", "model.num_frames=6"))
+    recipe = REPO / "configs/tiny/wan_t2v.yaml"
+    line = one_line_error(dry_run(recipe, tmp_path, "model.num_frames=6"))
     assert line.startswith("train: error: config key 'model.num_frames': 6 frames: the Wan2.1 autoencoder "
                            "compresses time 4x after the first frame, so a video has 4k + 1 frames (e.g. 5 or 9)"), line
-    line = one_line_error(run_cli("launch/train.py", "--config", recipe, "--dry-run", "--set", f"output_dir={tmp_path}",
-                                  "--set", "train.resolution=[48,40]"))
+    line = one_line_error(dry_run(recipe, tmp_path, "train.resolution=[48,40]"))
     assert "config key 'train.resolution': 40 is not a multiple of 16, which the 'wan' model needs" in line, line
-    line = one_line_error(run_cli("launch/train.py", "--config", str(REPO / "configs/tiny/wan22_t2v.yaml"), "--dry-run",
-                                  "--set", f"output_dir={tmp_path}", "--set",
+    line = one_line_error(dry_run(REPO / "configs/tiny/wan22_t2v.yaml", tmp_path,
                                   "sample.sde_window={size: 1, range: [0, 4], per: group}"))
     assert "config key 'sample.sde_window.per': 'group' draws a window per prompt group" in line, line
 

@@ -7,21 +7,19 @@ when the two images of a request are the same and "not consistent" (sigmoid(-1.8
 and counts the requests."""
 from __future__ import annotations
 
-import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, one_line_error, run_cli
+from conftest import REPO, dry_run, one_line_error
 from paco_ds.errors import RewardError
 from paco_ds.images import to_media
 from paco_ds.rewards.frame_consistency import frame_pairs, sampled_frames
 from paco_ds.rewards.registry import build_reward
+from test_judge_answers import Judge  # the scripted judge server, answering here by the request's images
 
 pytestmark = pytest.mark.fast
 
@@ -37,42 +35,18 @@ def _answer(yes: float, no: float) -> dict:
                          "logprobs": {"content": [{"token": "Yes", "logprob": yes, "top_logprobs": top}]}}]}
 
 
-class PairJudge:
+class PairJudge(Judge):
     """Answers by whether the two images of a request are the same; keeps each request's text."""
 
     def __init__(self):
-        judge = self
         self.texts: list[str] = []
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "x"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-                content = body["messages"][-1]["content"]
-                urls = [c["image_url"]["url"] for c in content if c["type"] == "image_url"]
-                judge.texts.append(next(c["text"] for c in content if c["type"] == "text"))
-                self._send(_answer(-0.1, -2.4) if urls[0] == urls[1] else _answer(-2.0, -0.2))
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def respond(self, body: dict) -> dict:
+        content = body["messages"][-1]["content"]
+        urls = [c["image_url"]["url"] for c in content if c["type"] == "image_url"]
+        self.texts.append(next(c["text"] for c in content if c["type"] == "text"))
+        return _answer(-0.1, -2.4) if urls[0] == urls[1] else _answer(-2.0, -0.2)
 
 
 @pytest.fixture
@@ -185,22 +159,18 @@ def test_per_frame_forms_average_their_frames_and_an_image_reward_refuses_a_vide
 
 
 def test_dry_run_refuses_an_image_reward_for_videos_and_prints_the_requests_per_video(tmp_path):
-    recipe = str(REPO / "configs/tiny/wan_t2v.yaml")
-    line = one_line_error(run_cli("launch/train.py", "--config", recipe, "--dry-run", "--set", f"output_dir={tmp_path}",
-                                  "--set", "rewards.train.terms.ocr={weight: 1.0}"))
+    recipe = REPO / "configs/tiny/wan_t2v.yaml"
+    line = one_line_error(dry_run(recipe, tmp_path, "rewards.train.terms.ocr={weight: 1.0}"))
     assert line.startswith("train: error: config key 'rewards.train.terms.ocr': 'ocr' scores images and has no "
                            "per-frame form, and model.family 'wan' draws videos (per-frame forms: "), line
-    line = one_line_error(run_cli("launch/train.py", "--config", str(REPO / "configs/tiny/t2is.yaml"), "--dry-run",
-                                  "--set", f"output_dir={tmp_path}",
-                                  "--set", "rewards.train.terms.frame_consistency={weight: 1.0}"))
+    line = one_line_error(dry_run(REPO / "configs/tiny/t2is.yaml", tmp_path,
+                                  "rewards.train.terms.frame_consistency={weight: 1.0}"))
     assert "'frame_consistency' judges the frames of a video, and model.family 'flux' draws images" in line, line
-    out = run_cli("launch/train.py", "--config", recipe, "--dry-run", "--set", f"output_dir={tmp_path}",
-                  "--set", "model.num_frames=81", "--set", "rewards.train.terms.frame_consistency.max_frames=8")
+    out = dry_run(recipe, tmp_path, "model.num_frames=81", "rewards.train.terms.frame_consistency.max_frames=8")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "frame_consistency: at most 7 judge requests per video (81 frames sampled down to 8, adjacent pairs)" \
         in out.stdout
-    one = run_cli("launch/train.py", "--config", recipe, "--dry-run", "--set", f"output_dir={tmp_path}",
-                  "--set", "model.num_frames=1")
+    one = dry_run(recipe, tmp_path, "model.num_frames=1")
     assert one.returncode == 0, one.stderr[-2000:]
     assert "frame_consistency: 4 of 4 prompts in data.train_file (a video of 1 frame has no pair of frames to " \
            "compare)" in one.stdout
