@@ -144,8 +144,9 @@ test-slurm: setup slurm-test-setup
 test-plan: setup
 	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
 
-# The tiny Wan recipes (tests/grpo/test_train_wan.py): 4 launches of 5-frame videos with the judge served,
-# about 5 min of 2 cores (user time 4.5 min), more than the runs tier's room: not in test-all (CI).
+# The tiny Wan recipes (tests/grpo/test_train_wan.py: 4 launches of 5-frame videos with the judge served, about
+# 5 min of 2 cores, user time 4.5 min) and two of the full-size Wan plans (tests/plan/test_wan_plans.py, 2.5 min
+# of CPU each): more than the runs and plan tiers' room, so not in test-all (CI).
 .PHONY: test-video
 test-video: setup
 	$(PY) -m pytest -q -m video --durations=4 $(SKIP_POLICY)
