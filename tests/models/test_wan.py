@@ -14,7 +14,6 @@ from paco_ds.recipe.schema import LoraConfig, ModelConfig
 from paco_ds.sampling.spec import RolloutBatch, SamplingSpec
 from paco_ds.sampling.trajectory import make_generator, sample_trajectories
 
-pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red fox trots through   fresh snow", "two cats play &amp; jump on a sofa"]  # cleaned as the pipeline cleans
@@ -43,6 +42,7 @@ def _euler(policy):
     return FlowMatchEulerDiscreteScheduler(shift=shift)
 
 
+@pytest.mark.fast
 def test_registered_with_the_published_checkpoints_and_wans_targets():
     assert POLICIES["wan"] == "paco_ds.models.wan:WanPolicy"
     assert POLICIES["wan22"] == "paco_ds.models.wan22:Wan22Policy"
@@ -58,6 +58,9 @@ def test_registered_with_the_published_checkpoints_and_wans_targets():
     assert "4k + 1 frames (e.g. 77 or 81)" in cls.check_num_frames(80)
 
 
+# The two tests of the three tiny policies (`base`: 18 s to build, 30 s with their calls) are the video
+# lane's (make test-video), outside the fast tier's time.
+@pytest.mark.video
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 def test_ode_sampling_and_the_decoded_video_are_the_pipelines(base, family, guidance):
@@ -90,6 +93,7 @@ def test_ode_sampling_and_the_decoded_video_are_the_pipelines(base, family, guid
         assert np.abs(ours.permute(0, 1, 3, 4, 2).numpy().astype(np.int16) - want).max() <= 1
 
 
+@pytest.mark.video
 def test_the_published_unipc_schedule_and_the_expert_of_each_step(base):
     """Wan's checkpoints ship UniPC with flow sigmas (flow_shift 3): the policy's sigmas and the
     transformer's timesteps are the scheduler's (its int64 timesteps); Wan2.2 picks the expert of a
@@ -112,6 +116,7 @@ def test_the_published_unipc_schedule_and_the_expert_of_each_step(base):
         policy.expert_of(torch.tensor([990.0, 500.0]))
 
 
+@pytest.mark.fast
 def test_lora_export_loads_into_wan_pipeline_and_draws_differently(tmp_path):
     """WanPipeline.load_lora_weights reads the export; for Wan2.2 the low-noise expert's adapter
     (transformer_2/) with load_into_transformer_2=True. The pipeline's video then differs from the
@@ -148,6 +153,7 @@ def test_lora_export_loads_into_wan_pipeline_and_draws_differently(tmp_path):
                 torch.testing.assert_close(mine(**call)[0], module(**call)[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", ["wan", "wan22"])
 def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path, family):
     """`load` from a local folder in the checkpoints' layout (model_index.json with Wan2.2's
@@ -172,6 +178,7 @@ def test_real_loading_code_reads_a_diffusers_layout_folder(tmp_path, family):
         policy_class(other).load(cfg.model_copy(update={"family": other}), CPU)
 
 
+@pytest.mark.fast
 def test_frames_and_sizes_are_checked_before_anything_loads(tmp_path):
     from conftest import REPO, dry_run, one_line_error
 
@@ -186,6 +193,7 @@ def test_frames_and_sizes_are_checked_before_anything_loads(tmp_path):
     assert "config key 'sample.sde_window.per': 'group' draws a window per prompt group" in line, line
 
 
+@pytest.mark.fast
 def test_a_wan22_forward_gives_the_idle_experts_adapter_a_zero_gradient_not_none():
     """ZeRO-3 keeps a parameter's gradient partition from the last accumulation window when the
     parameter gets no gradient at a window's first micro-step: a step of one expert gives the other
