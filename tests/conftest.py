@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 TINY = REPO / "configs" / "tiny" / "t2is.yaml"
 
-TIERS = ("fast", "runs", "stop", "plan", "cluster", "slurm", "vllm", "gpu")  # pytest.ini's markers
+TIERS = ("fast", "runs", "stop", "plan", "video", "cluster", "slurm", "vllm", "gpu")  # pytest.ini's markers
 
 
 def tiers_of(item) -> set[str]:
@@ -170,6 +170,12 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def dry_run(recipe: Path, output_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    """`launch/train.py --dry-run` of `recipe` with `--set` of each of `sets`, writing under `output_dir`."""
+    return run_cli("launch/train.py", "--config", str(recipe), "--dry-run", "--set", f"output_dir={output_dir}",
+                   *[a for s in sets for a in ("--set", s)])
 
 
 def load_exported_lora(policy, pipe, folder: Path):

@@ -29,8 +29,10 @@ class PromptItem:
     extra_images: tuple[str, ...] = field(default=(), repr=False)
     where: str | None = None  # "file:line" or "file row N", for error messages
 
-    def size(self, fallback: int) -> tuple[int, int]:
-        return (self.height or fallback, self.width or fallback)
+    def size(self, fallback: int | tuple[int, int]) -> tuple[int, int]:
+        """(height, width): the item's own, else the recipe's resolution (a side, or [height, width])."""
+        h, w = (fallback, fallback) if isinstance(fallback, int) else fallback
+        return (self.height or h, self.width or w)
 
     @property
     def group_key(self) -> tuple[str, str | None]:

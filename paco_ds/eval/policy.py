@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from paco_ds.grpo.evaluation import eval_grid, evaluate_test_prompts
-from paco_ds.images import make_grid
+from paco_ds.images import is_video, make_grid, make_video_grid, save_media
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,14 @@ def _report(cfg, columns: list, out_dir: Path, source) -> dict:
             w.writerow([n, *[table[n][c][s] for c, _, _ in columns for s in ("mean", "std")]])
     for c, _, images in columns:
         if images:
-            eval_grid(images).save(out_dir / f"{c}.png")
+            save_media(eval_grid(images), out_dir / c)  # a PNG, or an animated WebP of videos
     if len(columns) == 2 and columns[0][2]:
-        # one row per prompt: [reference,] base, trained
+        # one row per prompt: [reference,] base, trained (videos: frame by frame)
         tiles = []
         for (_, ref, b), (_, _, t) in zip(columns[0][2], columns[1][2]):
             tiles += [*ref, b, t]
-        make_grid(tiles, ncols=len(columns[0][2][0][1]) + 2).save(out_dir / "base_vs_trained.png")
-    print(f"results: {out_dir}/policy_eval.json, {out_dir}/policy_eval.csv; grids: {out_dir}/*.png", flush=True)
+        grid = make_video_grid if is_video(tiles) else make_grid
+        save_media(grid(tiles, ncols=len(columns[0][2][0][1]) + 2), out_dir / "base_vs_trained")
+    print(f"results: {out_dir}/policy_eval.json, {out_dir}/policy_eval.csv; grids: {out_dir}/*.png "
+          "(videos: *.webp)", flush=True)
     return {"table": table}

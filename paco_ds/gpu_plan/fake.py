@@ -136,12 +136,14 @@ class FakeCuda(TorchDispatchMode):
     def __enter__(self):
         self.fake.__enter__()
         self._host_first = _HostFirst().__enter__()
+        self._flash = _FlashAttention().__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._flash.__exit__(*exc)
             self._host_first.__exit__(*exc)
             self.fake.__exit__(*exc)
 
@@ -253,6 +255,39 @@ class _HostFirst(TorchFunctionMode):
             data = tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) else x, args[0])
             return func(data, *args[1:], **kwargs).to(device)
         return func(*args, **kwargs)
+
+
+class _FlashAttention:
+    """PyTorch's SDPA restricted to its flash kernel (`sdpa_kernel(FLASH_ATTENTION)`, what diffusers'
+    `_native_flash` backend runs, `model.attention_backend: _native_flash`) picks its kernel from the
+    GPU's properties before any dispatch mode sees the call, and finds none without a GPU. While the
+    fake mode is entered, `torch.nn.functional.scaled_dot_product_attention` on fake tensors under that
+    restriction is the flash kernel's own op instead, whose fake implementation keeps what the kernel
+    keeps (the output and its log-sum-exp: memory linear in the sequence, not the math path's softmax
+    matrices) and whose FLOPs the counter knows; backward is its flash backward. The function itself is
+    swapped (not a thread-local function mode), so gradient checkpointing's recomputation, which may
+    run on autograd's thread, takes the same path. Unrestricted SDPA stays the math path."""
+
+    NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+    def __enter__(self):
+        self.original = original = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            call = dict(zip(self.NAMES, args)) | kwargs
+            if isinstance(call.get("query"), FakeTensor) and torch.backends.cuda.flash_sdp_enabled() \
+                    and not torch.backends.cuda.math_sdp_enabled() and call.get("attn_mask") is None \
+                    and not call.get("enable_gqa"):
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    call["query"], call["key"], call["value"], call.get("dropout_p", 0.0), call.get("is_causal", False),
+                    scale=call.get("scale"))[0]
+            return original(*args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self.original
 
 
 def fake_cuda_tensor(mode: FakeCuda, t: torch.Tensor, device: torch.device = CUDA) -> FakeTensor:

@@ -221,7 +221,8 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
             live_sampling = dict(mode.live)
             _park_text_encoders(mode, policy)  # what the trainer does once the epoch is sampled
             # ---------------------------------------------------------------- scoring
-            images = torch.zeros(len(traj), 3, h, w, dtype=torch.uint8)  # host images, as decode hands over
+            # host images (or videos, [B, F, 3, H, W]) as decode hands them over
+            images = torch.zeros(tuple(traj.images.shape), dtype=torch.uint8)
             with mode.measure(SCORING) as scoring, mode.tagged("reward activations"):
                 reward_flops = _score(rewards, traj, images, counter, rollouts.references(traj))
             # ---------------------------------------------------------------- training
@@ -362,13 +363,12 @@ def _micro_step(loss_fn, module, batch) -> None:
 
 def _score(rewards, traj, images: torch.Tensor, counter: _Counter, refs) -> float:
     """The recipe's local reward models on one rollout batch (with an edit's reference images, as
-    the trainer passes them); remote (judge) rewards run elsewhere."""
-    from paco_ds.images import to_pil
-
+    the trainer passes them; a video's frames through the reward's per-frame form); remote (judge)
+    rewards run elsewhere."""
     flops = 0.0
     for name, reward in rewards:
-        fn = counter.wrap(f"reward:{name}", reward.score)
-        fn(to_pil(images), list(traj.prompts), list(traj.metadata), refs)
+        reward.score = counter.wrap(f"reward:{name}", reward.score)  # counted inside the reward's own call
+        reward(images, list(traj.prompts), list(traj.metadata), refs)
         flops += counter.per_call(f"reward:{name}")
     return flops
 

@@ -23,7 +23,7 @@ class FullSizeOnFakeCuda(ModelSource):
         self.mode = mode
 
     def parts(self, policy_cls, cfg, dtype: torch.dtype, ds_config: dict | None) -> dict:
-        full = policy_cls.full_size
+        full = policy_cls.full_size.of(cfg.path)  # the checkpoint's own shape where the family has several
         parts = {"transformer": full.transformer(), **full.components(cfg)}
         for name, module in parts.items():
             if isinstance(module, nn.Module) and name != "transformer":

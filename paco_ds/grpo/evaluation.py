@@ -20,7 +20,7 @@ from paco_ds.recipe.schema import Config
 from paco_ds.data import PromptItem
 from paco_ds.runtime.distributed import DistInfo, all_gather_object
 from paco_ds.sampling.rollouts import Pick, Rollouts
-from paco_ds.images import make_grid, to_pil
+from paco_ds.images import is_video, make_grid, make_video_grid, to_media
 from paco_ds.rewards.runner import RewardRunner
 
 
@@ -53,7 +53,7 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
                     scored.append((i, (h, w)))
                     if i < n_show:  # an edit is shown beside its reference(s)
                         ref = [] if not refs else list(refs[j]) if isinstance(refs[j], tuple) else [refs[j]]
-                        shown.append((i, ref, to_pil(traj.images[j][None])[0]))
+                        shown.append((i, ref, to_media(traj.images[j][None])[0]))  # an image, or frames
             bar.update(len(chunk))
     bar.close()
     res = rewards.collect()
@@ -75,12 +75,16 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
 
 def eval_grid(images: list):
     """Test images in prompt order; an edit's reference(s) beside it, one row per edit (an edit with
-    fewer input images than the most has blank tiles before its output)."""
+    fewer input images than the most has blank tiles before its output). Videos: the frames of one
+    animated grid."""
     from PIL import Image
 
     refs = max((len(ref) for _, ref, _ in images), default=0)
+    outs = [out for _, _, out in images]
+    if is_video(outs):  # videos: one animated grid, frame by frame
+        return make_video_grid(outs)
     if not refs:
-        return make_grid([out for _, _, out in images])
+        return make_grid(outs)
     blank = Image.new("RGB", (1, 1), "white")
     tiles = [im for _, ref, out in images for im in (*ref, *[blank] * (refs - len(ref)), out)]
     return make_grid(tiles, ncols=refs + 1)

@@ -72,21 +72,21 @@ def export_adapter(policy, trainable: list[torch.nn.Parameter], ema, zero3: bool
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     from paco_ds.runtime.distributed import barrier
-    from paco_ds.models.lora import adapter_config, export_lora, lora_state_dict
+    from paco_ds.models.lora import adapter_config, export_family_lora, lora_state_dict
 
     with ema.swapped_in() if ema is not None else contextlib.nullcontext(), \
             GatheredParameters(trainable, enabled=zero3):
         sd = lora_state_dict(policy.transformer) if is_main else None
     if is_main:
-        path = export_lora(sd, out_dir, adapter_config(policy.transformer))
+        path = export_family_lora(type(policy), sd, out_dir, adapter_config(policy.transformer))
         log.info("LoRA exported to %s", path)
     barrier()
     return out_dir if is_main else None
 
 
 def export_from_checkpoint(cfg: Config, ckpt: Path, out_dir: Path) -> Path:
-    from paco_ds.models import with_family_defaults
-    from paco_ds.models.lora import export_lora, peft_config
+    from paco_ds.models import policy_class, with_family_defaults
+    from paco_ds.models.lora import export_family_lora, peft_config
 
     meta = json.loads((ckpt / "meta.json").read_text())
     stage = _zero_stage(ckpt)
@@ -98,7 +98,8 @@ def export_from_checkpoint(cfg: Config, ckpt: Path, out_dir: Path) -> Path:
         weights = ema
     dtype = weights[next(iter(weights))].dtype
     sd = {k.replace(f".{ADAPTER}.", "."): v.to(dtype).contiguous() for k, v in weights.items()}
-    path = export_lora(sd, out_dir, peft_config(with_family_defaults(cfg.model).lora, list(weights)))
+    path = export_family_lora(policy_class(cfg.model.family), sd, out_dir,
+                              peft_config(with_family_defaults(cfg.model).lora, list(weights)))
     print(f"LoRA: {out_dir} (from {ckpt.name}, epoch {meta.get('epoch')}, written by {meta.get('world_size')} "
           f"ranks{', EMA' if ema is not None else ''})", flush=True)
     return path

@@ -115,6 +115,7 @@ class RecipeCheck(NamedTuple):
     n_train: int
     n_test: int | None
     unjudged: list[str]
+    video: list[str] = []  # a video recipe's frames and judge requests per video (preflight.video_lines)
 
 
 def _prompt_step(world_size: int, k: int, sample_batch: int, train_batch: int, steps: int) -> int:
@@ -151,11 +152,11 @@ def check_recipe(cfg: Config, world_size: int) -> RecipeCheck:
     test = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file") \
         if cfg.data.test_file else None
     plan = derive(cfg, world_size, dataset_size=len(train))
-    from paco_ds.grpo.preflight import preflight, unjudged_records
+    from paco_ds.grpo.preflight import preflight, unjudged_records, video_lines
 
     preflight(cfg, train, test)  # what a run checks before its first step
     return RecipeCheck(plan, len(train), (len(test) if test is not None else None),
-                       unjudged_records(cfg, train, test))
+                       unjudged_records(cfg, train, test), video_lines(cfg, train))
 
 
 def rollout_line(cfg: Config) -> str:
@@ -212,7 +213,12 @@ def loss_line(cfg: Config) -> str:
     return f"{cfg.train.loss}" + (f" ({settings})" if settings else "") + f"; {common}"
 
 
-def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unjudged: list[str] = ()) -> str:
+def _resolution(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value[0]}x{value[1]}"
+
+
+def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unjudged: list[str] = (),
+             video: list[str] = ()) -> str:
     rows = [
         ("recipe", cfg.source),
         ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
@@ -226,10 +232,12 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unj
         ("trained steps", list(plan.train_timesteps)), ("rollout", rollout_line(cfg)),
         ("micro-steps per rank", plan.micro_steps_per_rank),
         ("gradient accumulation", plan.grad_accum_steps), ("optimizer steps per epoch", plan.optimizer_steps_per_epoch),
-        ("train / test resolution", f"{cfg.train.resolution} / {cfg.test.resolution} (items' own sizes first)"),
+        ("train / test resolution", f"{_resolution(cfg.train.resolution)} / {_resolution(cfg.test.resolution)} "
+                                    "(items' own sizes first)"),
         ("rewards (train)", ", ".join(f"{k}x{v.weight:g}" for k, v in cfg.rewards.train.terms.items())),
         ("rewards (test)", ", ".join(f"{k}x{v.weight:g}" for k, v in cfg.rewards.eval.terms.items())),
         *(("not judged", line) for line in unjudged),
+        *(("video", line) for line in video),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

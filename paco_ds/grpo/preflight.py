@@ -7,6 +7,9 @@ exists:
 - no editing record has more input images than the family conditions on (`max_input_images`:
   one for Kontext and Qwen-Image-Edit, three for Qwen-Image-Edit-2509/2511), named by file:line;
 - every reward argument of the recipe is one the reward's constructor takes;
+- a video family's rewards can score videos (`Reward.video`: frame_consistency, or an image reward's
+  per-frame form), an image family's none that judges videos only; the family's own checks
+  (`Policy.check_recipe`: model.num_frames, Wan2.2's experts);
 - a reward or loss named by import path ("module:Class") imports (a policy's is imported at load);
 - the DeepSpeed config file exists and is JSON;
 - the output directory can be created and written (probed with a temporary file, removed);
@@ -28,12 +31,15 @@ from paco_ds.runtime.storage import check_writable
 def check_sizes(cfg: Config, items: list, key: str) -> None:
     from paco_ds.models import policy_class
 
+    from paco_ds.recipe.schema import size_of
+
     m = policy_class(cfg.model.family).size_multiple
     fam = cfg.model.family
-    for name, value in (("train.resolution", cfg.train.resolution), ("test.resolution", cfg.test.resolution)):
-        if value % m:
-            raise ConfigError(f"config key '{name}': {value} is not a multiple of {m}, which the '{fam}' model "
-                              f"needs (e.g. {max(m, value // m * m)} or {(value // m + 1) * m})")
+    for name, res in (("train.resolution", cfg.train.resolution), ("test.resolution", cfg.test.resolution)):
+        for value in dict.fromkeys(size_of(res)):
+            if value % m:
+                raise ConfigError(f"config key '{name}': {value} is not a multiple of {m}, which the '{fam}' model "
+                                  f"needs (e.g. {max(m, value // m * m)} or {(value // m + 1) * m})")
     for it in items:
         for side in ("height", "width"):
             v = getattr(it, side, None)
@@ -66,6 +72,50 @@ def check_reward_arguments(cfg: Config) -> None:
             check(name, term.kwargs, where)
 
 
+def check_video_rewards(cfg: Config) -> None:
+    """A video family's samples reach a reward as their frames: a reward that scores images only is
+    one line naming it (and the rewards that have a per-frame form); a reward judging videos only is
+    one line for an image family."""
+    from paco_ds.models import policy_class
+    from paco_ds.rewards.registry import REWARDS, reward_class
+
+    fam = cfg.model.family
+    video = policy_class(fam).video
+    for where, rset in (("rewards.train.terms", cfg.rewards.train), ("rewards.test.terms", cfg.rewards.test)):
+        for name in (rset.terms if rset is not None else {}):
+            kind = getattr(reward_class(name, where), "video", None)
+            if video and kind is None:
+                frames = [n for n in REWARDS if getattr(reward_class(n), "video", None) == "frames"]
+                raise ConfigError(f"config key '{where}.{name}': '{name}' scores images and has no per-frame form, and "
+                                  f"model.family '{fam}' draws videos (per-frame forms: {', '.join(frames)}; the "
+                                  "frames together: frame_consistency)")
+            if not video and kind == "video":
+                raise ConfigError(f"config key '{where}.{name}': '{name}' judges the frames of a video, and "
+                                  f"model.family '{fam}' draws images")
+
+
+def video_lines(cfg: Config, train_items: list) -> list[str]:
+    """What --dry-run says of a video recipe: the frames of a sample, and the judge requests per video
+    of each reward that asks about frames (`requests_per_video`), over the training records."""
+    from paco_ds.models import policy_class
+    from paco_ds.rewards.registry import reward_class
+
+    policy = policy_class(cfg.model.family)
+    if not policy.video:
+        return []
+    frames = policy.frames(cfg.model)
+    lines = [f"{frames} frames per video"]
+    for name, term in cfg.rewards.train.terms.items():
+        count = getattr(reward_class(name), "requests_per_video", None)
+        if count is None:
+            continue
+        n = sorted({count(frames, it.metadata, **term.kwargs) for it in train_items} or {count(frames, {}, **term.kwargs)})
+        per = f"{n[0]}" if len(n) == 1 else f"{n[0]}-{n[-1]}"
+        lines.append(f"{name}: at most {per} judge requests per video ({frames} frames sampled down to "
+                     f"{min(frames, term.kwargs.get('max_frames', 8))}, {term.kwargs.get('pairs', 'adjacent')} pairs)")
+    return lines
+
+
 def check_records_for_rewards(cfg: Config, train_items: list, test_items: list | None) -> None:
     """Every record of the data can be scored by the rewards that will score it (a reward's own
     `check_record`: GenEval's tag and include, a quoted text for OCR): one line naming file:line."""
@@ -87,15 +137,17 @@ def unjudged_records(cfg: Config, train_items: list, test_items: list | None) ->
     a one-panel layout for a pairwise judge): one line per reward and file, with the count, the
     reason and what their samples are trained or evaluated on. A training record that no reward of
     the set applies to could never be trained: one line naming file:line (DataError)."""
+    from paco_ds.models import policy_class
     from paco_ds.rewards.registry import reward_class
 
+    frames = policy_class(cfg.model.family).frames(cfg.model)
     lines = []
     for items, rset, key, verb in ((train_items, cfg.rewards.train, "data.train_file", "train"),
                                    (test_items or [], cfg.rewards.eval, "data.test_file", "are evaluated")):
         names = list(rset.terms)
         skipped = {name: [] for name in names}
         for it in items:
-            why = {name: reward_class(name).applies(it.prompt, it.metadata) for name in names}
+            why = {name: reward_class(name).applies_to(it.prompt, it.metadata, frames) for name in names}
             for name, reason in why.items():
                 if reason:
                     skipped[name].append(reason)
@@ -210,6 +262,12 @@ def check_sequence_length(cfg: Config) -> None:
                           f"'{cfg.model.family}', got {cfg.model.max_sequence_length}")
 
 
+def check_family(cfg: Config) -> None:
+    from paco_ds.models import policy_class
+
+    policy_class(cfg.model.family).check_recipe(cfg)
+
+
 def check_deepspeed_config(cfg: Config) -> None:
     from paco_ds.runtime.engine import load_ds_config
 
@@ -223,6 +281,8 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
         check_sizes(cfg, test_items, "data.test_file")
         check_input_images(cfg, test_items, "data.test_file")
     check_reward_arguments(cfg)
+    check_video_rewards(cfg)
+    check_family(cfg)
     check_records_for_rewards(cfg, train_items, test_items)
     if cfg.model.lora.path:
         from paco_ds.models.lora import check_lora_file

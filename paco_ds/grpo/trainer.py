@@ -47,7 +47,7 @@ from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
 from paco_ds.sampling.rollouts import Pick
-from paco_ds.images import make_grid, to_pil
+from paco_ds.images import is_video, make_grid, make_video_grid, to_media
 from paco_ds.runtime.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe.loader import recipe_to_yaml
 from paco_ds.rewards.runner import part_scores
@@ -284,9 +284,10 @@ class GRPOTrainer:
         metrics |= judge_latency_metrics(rewards.latency_s)
         if self.dist.is_main and self.cfg.logging.num_train_images:
             n = self.cfg.logging.num_train_images
-            images = [im for t in trajs for im in to_pil(t.images)][:n]
+            images = [im for t in trajs for im in to_media(t.images)][:n]  # images, or each video's frames
             captions = [f"{s:.3g}" for s in adv.combined[rewards.mine][:n]]
-            self.logger.save_image("train_samples", make_grid(images, captions=captions), self.epoch)
+            grid = make_video_grid if is_video(images) else make_grid
+            self.logger.save_image("train_samples", grid(images, captions=captions), self.epoch)
         metrics["train/height"], metrics["train/width"] = float(trajs[0].height), float(trajs[0].width)
         if not adv.keep.any():  # the same on every rank: computed from the gathered rewards
             self.guard.nonfinite("no sample of the epoch has a valid reward")

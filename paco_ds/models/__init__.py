@@ -18,6 +18,9 @@ POLICIES: dict[str, str] = {
     "qwen_image_edit": "paco_ds.models.qwen_image_edit:QwenEditPolicy",
     "qwen_image_edit_plus": "paco_ds.models.qwen_image_edit_plus:QwenEditPlusPolicy",
     "sd3": "paco_ds.models.sd3:SD3Policy",
+    "wan": "paco_ds.models.wan:WanPolicy",
+    "wan22": "paco_ds.models.wan22:Wan22Policy",
+    "wan22_ti2v": "paco_ds.models.wan:WanTI2VPolicy",
     "z_image": "paco_ds.models.z_image:ZImagePolicy",
 }
 

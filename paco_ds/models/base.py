@@ -223,6 +223,12 @@ class Policy(ABC):
     # shorter position table says so in `tiny_max_sequence_length_limit`.
     max_sequence_length_limit: int | None = None
     tiny_max_sequence_length_limit: int | None = None
+    # A video family: `decode` gives uint8 [B, F, 3, H, W] (`num_frames` frames, `model.num_frames` or
+    # the family's default, `tiny_num_frames` for its tiny twin) and rewards receive each sample as
+    # its frames; an image family decodes [B, 3, H, W] and takes no model.num_frames.
+    video: bool = False
+    default_num_frames: int = 1
+    tiny_num_frames: int = 1
 
     # ------------------------------------------------------------------ what a family declares
     # The checkpoint's transformer class ('diffusers:Name'), loaded partitioned under ZeRO-3, and its
@@ -301,11 +307,47 @@ class Policy(ABC):
     @classmethod
     def options(cls, cfg: "ModelConfig") -> dict:
         """Constructor keywords taken from the model section: the prompt length (capped at
-        `tiny_prompt_cap` tokens for the tiny twins' short text encoders)."""
+        `tiny_prompt_cap` tokens for the tiny twins' short text encoders), a video family's frames."""
+        out = {"num_frames": cls.frames(cfg)} if cls.video else {}
         if not cls.takes_max_sequence_length:
-            return {}
+            return out
         cap = cls.tiny_prompt_cap if cfg.tiny else None
-        return {"max_sequence_length": min(cfg.max_sequence_length, cap) if cap else cfg.max_sequence_length}
+        return out | {"max_sequence_length": min(cfg.max_sequence_length, cap) if cap else cfg.max_sequence_length}
+
+    @classmethod
+    def frames(cls, cfg: "ModelConfig") -> int:
+        """The frames of each sample under the model section: model.num_frames, else the family's own
+        (its tiny twin's for model.tiny); 1 for an image family."""
+        if not cls.video:
+            return 1
+        return cfg.num_frames or (cls.tiny_num_frames if cfg.tiny else cls.default_num_frames)
+
+    @classmethod
+    def check_recipe(cls, cfg) -> None:
+        """The family's own checks of a recipe (`cfg`: the whole Config), before anything loads
+        (preflight, --dry-run): one ConfigError naming the key. Here: model.num_frames is a video
+        family's (`check_num_frames` holds its rule)."""
+        from paco_ds.errors import ConfigError
+
+        n = cfg.model.num_frames
+        if n is not None and not cls.video:
+            raise ConfigError(f"config key 'model.num_frames': model.family '{cfg.model.family}' draws images, "
+                              "not videos; leave it unset")
+        why = cls.check_num_frames(cls.frames(cfg.model)) if cls.video else None
+        if why:
+            raise ConfigError(f"config key 'model.num_frames': {why}")
+
+    @classmethod
+    def check_num_frames(cls, n: int) -> str | None:
+        """Why a video family cannot draw `n` frames, or None."""
+        return None
+
+    @classmethod
+    def lora_files(cls, state_dict: dict) -> dict[str, dict]:
+        """The exported adapter's files: folder (relative to the export's, "" for itself) -> the LoRA
+        weights written there. One file, which the family's pipeline reads with `load_lora_weights`;
+        a family with two transformers writes the second one's beside it (Wan2.2-A14B)."""
+        return {"": state_dict}
 
     def take(self, device: torch.device, dtype: torch.dtype, **modules) -> None:
         """Keep the constructor's transformer and parts (as attributes of the same names) for `device`
@@ -364,9 +406,11 @@ class Policy(ABC):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Packed latents -> uint8 images [B, 3, H, W] on CPU."""
 
-    def target_size(self, ref_height: int, ref_width: int, resolution: int) -> tuple[int, int]:
-        """An edit's (height, width): the reference's aspect ratio at about resolution^2 pixels,
-        each side rounded to `size_multiple` (no square squash)."""
+    def target_size(self, ref_height: int, ref_width: int, resolution: int | tuple[int, int]) -> tuple[int, int]:
+        """An edit's (height, width): the reference's aspect ratio at about resolution^2 pixels (a
+        [height, width] resolution: its area), each side rounded to `size_multiple` (no square squash)."""
+        if not isinstance(resolution, int):
+            resolution = (resolution[0] * resolution[1]) ** 0.5
         m = self.size_multiple
         aspect = ref_width / ref_height
         h = max(m, round(resolution / aspect ** 0.5 / m) * m)

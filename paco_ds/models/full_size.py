@@ -13,7 +13,7 @@ Qwen2.5-VL-7B-Instruct (Qwen-Image-Edit's prompt encoder; the PaCo-Reward-7B jud
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import nn
@@ -33,6 +33,17 @@ class FullSize:
     transformer: Callable[[], nn.Module]
     components: Callable[[Any], dict]
     fp32: tuple[str, ...] = ()
+    # Other published checkpoints the family loads by `model.path` with another shape (Wan2.1's 1.3B
+    # beside its 14B): checkpoint id -> its FullSize. `of(path)` picks it.
+    variants: dict[str, "FullSize"] = field(default_factory=dict, hash=False, compare=False)
+
+    def of(self, path: str | None) -> "FullSize":
+        """The full-size model of checkpoint `path` (a hub id, or a local folder named like one),
+        the family's default where it is none of the variants."""
+        if not path:
+            return self
+        name = str(path).rstrip("/").rsplit("/", 1)[-1]
+        return next((v for key, v in self.variants.items() if key == path or key.rsplit("/", 1)[-1] == name), self)
 
 
 def empty(build: Callable[[], nn.Module]) -> nn.Module:

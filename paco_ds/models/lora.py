@@ -118,6 +118,14 @@ def config_dict(config) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}
 
 
+def export_family_lora(policy_cls, state_dict: dict[str, torch.Tensor], out_dir: str | Path, config) -> Path:
+    """`export_lora` of a family's adapter into the files its pipeline reads (`Policy.lora_files`: one,
+    or a second transformer's beside it in its own folder). Returns the first file's path."""
+    files = policy_cls.lora_files(state_dict)
+    paths = [export_lora(sd, Path(out_dir) / folder, config) for folder, sd in files.items()]
+    return paths[0]
+
+
 def export_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path, config) -> Path:
     """Write an adapter that the family's diffusers pipeline loads (`load_lora_weights(out_dir)`),
     its peft `config` stored in the weights file (so a loader restores the alpha/r scale instead of

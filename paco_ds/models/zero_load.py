@@ -203,10 +203,12 @@ def build_partitioned(cls, folder: str | Path, ds_config: dict, dtype: torch.dty
     return module.eval()
 
 
-def load_transformer(model_cls, path: str, revision: str | None, dtype, ds_config: dict | None):
-    """A family's transformer from the checkpoint's transformer/ folder: built partitioned from the
-    start under a ZeRO-3 `ds_config` (build_partitioned), else loaded whole by diffusers."""
+def load_transformer(model_cls, path: str, revision: str | None, dtype, ds_config: dict | None,
+                     subfolder: str = "transformer"):
+    """A family's transformer from the checkpoint's transformer/ folder (`subfolder`: another one,
+    Wan2.2-A14B's second expert in transformer_2/): built partitioned from the start under a ZeRO-3
+    `ds_config` (build_partitioned), else loaded whole by diffusers."""
     if is_zero3(ds_config):
-        return build_partitioned(model_cls, local_subfolder(path, "transformer", revision), ds_config, dtype)
+        return build_partitioned(model_cls, local_subfolder(path, subfolder, revision), ds_config, dtype)
     kw = {"revision": revision} if revision else {}
-    return model_cls.from_pretrained(path, subfolder="transformer", torch_dtype=dtype, **kw)
+    return model_cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype, **kw)

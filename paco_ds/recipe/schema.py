@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import functools
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator, model_validator
 
@@ -48,6 +48,16 @@ def check_run_name(v: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------
+Side = Annotated[int, Field(gt=0)]
+# An image or video size: one side (square), or [height, width] (a video's 480 x 832).
+Resolution = Union[Side, tuple[Side, Side]]
+
+
+def size_of(resolution: "int | tuple[int, int]") -> tuple[int, int]:
+    """(height, width) of a `train.resolution` / `test.resolution` value."""
+    return (resolution, resolution) if isinstance(resolution, int) else (int(resolution[0]), int(resolution[1]))
+
+
 class LoraConfig(Section):
     rank: int = Field(64, gt=0)
     alpha: float = Field(128, gt=0)
@@ -93,6 +103,9 @@ class ModelConfig(Section):
     attention_backend: str | None = None
     max_sequence_length: int = Field(512, gt=0)
     allow_tf32: bool = True
+    # Frames of a video family's samples (None: the family's own; an image family draws one frame
+    # and takes none). The frame count a video family accepts is its own rule (Wan: 4k + 1).
+    num_frames: int | None = Field(None, ge=1)
 
     @field_validator("family")
     @classmethod
@@ -177,7 +190,7 @@ class EMAConfig(Section):
 
 
 class TrainConfig(Section):
-    resolution: int = Field(512, gt=0)  # fallback when an item has no height/width
+    resolution: Resolution = 512  # fallback when an item has no height/width: a side, or [height, width]
     num_epochs: int = Field(1000, ge=1)
     batch_size: int = Field(1, ge=1)
     learning_rate: float = Field(3e-4, gt=0)
@@ -233,7 +246,7 @@ class LossSection(Section):
 
 class EvalConfig(Section):
     """The recipe's `test:` section: how and how often the policy is evaluated on the test prompts."""
-    resolution: int = Field(1024, gt=0)
+    resolution: Resolution = 1024  # a side, or [height, width]
     num_steps: int = Field(20, ge=1)
     batch_size: int = Field(5, ge=1)
     eval_freq: int = Field(10, ge=0)  # epochs; 0 disables

@@ -165,7 +165,21 @@ def metric_panel(title: str, ylabel: str, rows: list[dict], keys: list[str]) -> 
     return b64
 
 
-def reward_section(rows: list[dict], prefix: str, title: str, note: str) -> list[str]:
+def latest_video(run_dir: Path, prefix: str, label: str) -> list[str]:
+    """The latest animated grid of `prefix` (a video run's samples) as one more panel beside the
+    reward panels, so the scores and what they score are seen together; none for image runs."""
+    videos = [p for p in _images(run_dir, prefix) if p.suffix == ".webp"]
+    if not videos:
+        return []
+    p = videos[-1]
+    b64 = base64.b64encode(p.read_bytes()).decode()
+    return [f'<figure><img alt="{html.escape(p.name)}" src="data:{MEDIA[p.suffix]};base64,{b64}">'
+            f"<figcaption>{label}, epoch {_epoch_of(p)} (latest; each tile one video)</figcaption></figure>"]
+
+
+def reward_section(rows: list[dict], prefix: str, title: str, note: str, beside: list[str] = ()) -> list[str]:
+    """The rewards of `prefix` on their own panels, a table of their changes, and `beside`: more
+    figures in the same grid (a video run's latest samples)."""
     keys = reward_names(rows, prefix)
     if not keys:
         return []
@@ -189,7 +203,7 @@ def reward_section(rows: list[dict], prefix: str, title: str, note: str) -> list
         figures.append(f'<figure><img alt="{html.escape(prefix + name)}" src="data:image/png;base64,{b64}">'
                        f"<figcaption>{cap}</figcaption></figure>")
     out.append("</table>")
-    out.append('<div class="panels">' + "".join(figures) + "</div>")
+    out.append('<div class="panels">' + "".join(figures + list(beside)) + "</div>")
     return out
 
 
@@ -221,7 +235,11 @@ def verdict(rows: list[dict]) -> str:
 
 
 def _images(run_dir: Path, prefix: str) -> list[Path]:
-    return sorted((run_dir / "images").glob(f"{prefix}_epoch*.png"))
+    """A run's grids of `prefix` by epoch: PNG images, or animated WebP videos (a video family's)."""
+    return sorted(p for p in (run_dir / "images").glob(f"{prefix}_epoch*.*") if p.suffix in MEDIA)
+
+
+MEDIA = {".png": "image/png", ".webp": "image/webp"}  # an animated WebP plays in <img> like a GIF
 
 
 def _epoch_of(path: Path) -> int:
@@ -266,7 +284,7 @@ def side_by_side(paths: list[Path], label: str) -> str:
     figs = []
     for p in shown:
         b64 = base64.b64encode(p.read_bytes()).decode()
-        figs.append(f'<figure><img alt="{html.escape(p.name)}" src="data:image/png;base64,{b64}">'
+        figs.append(f'<figure><img alt="{html.escape(p.name)}" src="data:{MEDIA[p.suffix]};base64,{b64}">'
                     f"<figcaption>{label} epoch {_epoch_of(p)}{' (first)' if p == first else ' (latest)'}"
                     f"</figcaption></figure>")
     return '<div class="sbs">' + "".join(figs) + "</div>"
@@ -330,10 +348,11 @@ def write_report(run_dir: str | Path) -> Path:
     parts += reward_section(rows, "reward/", "Train rewards",
                             "Each reward on its own scale, per epoch: the mean over that epoch's rollouts "
                             "(SDE samples). <i>combined</i> is what the advantages are computed from "
-                            "(the recipe's weighted aggregation).")
+                            "(the recipe's weighted aggregation).",
+                            latest_video(run_dir, "train_samples", "training rollouts"))
     parts += reward_section(rows, "eval/", "Evaluation rewards",
                             "The test reward set on the test prompts (ODE samples at the test resolution), "
-                            "at the epochs where an evaluation ran.")
+                            "at the epochs where an evaluation ran.", latest_video(run_dir, "eval", "evaluation"))
     parts += samples_section(run_dir, recipe)
     figures = []
     for title, ylabel, keys in TRAIN_PANELS:

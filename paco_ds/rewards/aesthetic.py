@@ -71,6 +71,7 @@ BATCH_SIZE = 32
 
 class Aesthetic(Reward):
     name = "aesthetic"
+    video = "frames"  # a video: each frame against the prompt, the mean over its frames
 
     def __init__(self, model: str = CLIP, head: str = HEAD, tiny: bool = False, device: str = "cpu",
                  batch_size: int = BATCH_SIZE, dtype: str = "float32"):

@@ -5,9 +5,17 @@ validity mask. A reward that cannot score a sample raises (policy `raise`) or ma
 (policy `mask`); it never returns a silent 0. Weights live in the config, not in the reward.
 
 A third state is neither a score nor a failure: a sample the reward does not apply to by
-construction (`Reward.applies`: a one-panel image has no pair of panels for a pairwise judge). Such
-a sample is `applicable=False`: no question is asked, it is not counted as a failure, and the
-advantage step trains it on the rewards that do apply (paco_ds/rewards/aggregate.py).
+construction (`Reward.applies`: a one-panel image has no pair of panels for a pairwise judge;
+`Reward.applies_to`: a video of one frame has no pair of frames). Such a sample is
+`applicable=False`: no question is asked, it is not counted as a failure, and the advantage step
+trains it on the rewards that do apply (paco_ds/rewards/aggregate.py).
+
+Videos (a video family's samples) reach a reward as one list of PIL frames per sample. A reward says
+what it does with them (`Reward.video`): "video", it judges the frames itself (frame_consistency);
+"frames", an image reward's per-frame form: each frame is scored as an image with its sample's
+prompt, and the video's score is the mean over its frames (a frame that fails fails its video; each
+part is averaged the same way); None, it scores images only, and a recipe giving it a video family's
+samples is refused before the run starts (paco_ds/grpo/preflight.py).
 """
 from __future__ import annotations
 
@@ -116,6 +124,9 @@ class Reward:
 
     name: str = "reward"
     remote: bool = False
+    # What the reward does with a video (module docstring): "video", "frames" (the mean of its frames'
+    # scores) or None (images only).
+    video: Literal["video", "frames"] | None = None
 
     @classmethod
     def full_size(cls, device, **kwargs) -> FullSizeReward | None:
@@ -132,6 +143,12 @@ class Reward:
         return None
 
     @classmethod
+    def applies_to(cls, prompt: str, metadata: dict, frames: int = 1) -> str | None:
+        """`applies` for a sample of `frames` frames (1: an image); a reward judging videos adds its
+        own rule (frame_consistency: a pair of frames to compare)."""
+        return cls.applies(prompt, metadata)
+
+    @classmethod
     def check_record(cls, prompt: str, metadata: dict) -> str | None:
         """Why this reward could never score a record of the data (checked for every record when the
         run starts, and by --dry-run), or None: a data file the reward cannot read is one line at
@@ -143,16 +160,21 @@ class Reward:
         raise NotImplementedError
 
     def __call__(self, images, prompts, metadata=None, ref_images=None) -> RewardResult:
-        from paco_ds.images import to_pil
+        from paco_ds.images import is_video, to_media
 
-        images = to_pil(images)
+        images = to_media(images)  # PIL images, or a list of PIL frames per sample (videos)
         metadata = list(metadata) if metadata is not None else [{} for _ in images]
         if not (len(images) == len(prompts) == len(metadata)):
             raise ValueError(f"{self.name}: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
         prompts = list(prompts)
-        applies = np.array([self.applies(p, m) is None for p, m in zip(prompts, metadata)], dtype=bool)
+        video = is_video(images)
+        if video and self.video is None:
+            raise RewardError(f"{self.name} scores images and has no per-frame form: it cannot score videos")
+        score = self.score_frames if video and self.video == "frames" else self.score
+        frames = [len(im) if video else 1 for im in images]
+        applies = np.array([self.applies_to(p, m, f) is None for p, m, f in zip(prompts, metadata, frames)], dtype=bool)
         if applies.all():
-            return self.score(images, prompts, metadata, ref_images)
+            return score(images, prompts, metadata, ref_images)
         # Only the samples the reward applies to are scored (no request is sent for the others).
         idx = np.flatnonzero(applies)
         n = len(images)
@@ -161,12 +183,35 @@ class Reward:
         refs = None if ref_images is None else (
             [ref_images[i] for i in idx] if isinstance(ref_images, (list, tuple)) else ref_images[idx])
         try:
-            part = self.score([images[i] for i in idx], [prompts[i] for i in idx], [metadata[i] for i in idx], refs)
+            part = score([images[i] for i in idx], [prompts[i] for i in idx], [metadata[i] for i in idx], refs)
         except PartialRewardError as err:
             failed = np.zeros(n, dtype=bool)
             failed[idx] = err.failed
             raise PartialRewardError(str(err), _scatter(err.result, idx, applies), failed) from err
         return _scatter(part, idx, applies)
+
+    def score_frames(self, videos: list[list[Image.Image]], prompts: list[str], metadata: list[dict],
+                     ref_images=None) -> RewardResult:
+        """The per-frame form: every frame scored as an image with its video's prompt and metadata (one
+        `score` call for the batch's frames), each video's score and parts the mean over its frames; a
+        video with a frame that failed or was not scored is invalid (NaN)."""
+        owner = np.repeat(np.arange(len(videos)), [len(v) for v in videos])
+        frames = [f for v in videos for f in v]
+        try:
+            res, failed = self.score(frames, [prompts[o] for o in owner], [metadata[o] for o in owner]), None
+        except PartialRewardError as err:
+            res, failed = err.result, err.failed
+
+        def mean(values: np.ndarray) -> np.ndarray:  # per video; NaN propagates: a bad frame spoils its video
+            return np.array([values[owner == i].mean() for i in range(len(videos))], dtype=np.float64)
+
+        out = RewardResult.ok(mean(np.where(res.valid, res.scores, np.nan)),
+                              {k: mean(v) for k, v in res.parts.items()})
+        if failed is not None and failed.any():
+            bad = np.array([failed[owner == i].any() for i in range(len(videos))])
+            raise PartialRewardError(f"{self.name}: frames of {int(bad.sum())} of {len(videos)} videos failed",
+                                     RewardResult(np.where(bad, np.nan, out.scores), out.valid & ~bad, out.parts), bad)
+        return out
 
     def take_latencies(self) -> list[float]:
         """A remote reward's request latencies (seconds) since the last call; [] for local ones."""

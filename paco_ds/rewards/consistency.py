@@ -181,9 +181,11 @@ class ConsistencyScore(RemoteJudge):
         super().__init__(model, base_url, image_format, jpeg_quality, top_logprobs, canonicalize, max_concurrency,
                          timeout, max_attempts, retry_budget, backoff, api_key_env, cache_size, reward_endpoints)
 
-    def _structure(self, panels_d: list[str], prompt: str, meta: dict) -> list[list[list[tuple]]]:
-        """Question keys of one image: dimensions -> criteria -> panel pairs (earlier panel first)."""
-        pairs = list(combinations(range(len(panels_d)), 2))
+    def _structure(self, panels_d: list[str], prompt: str, meta: dict,
+                   pairs: list[tuple[int, int]] | None = None) -> list[list[list[tuple]]]:
+        """Question keys of one image: dimensions -> criteria -> panel pairs (earlier panel first;
+        `pairs`: which, default every unordered pair)."""
+        pairs = list(combinations(range(len(panels_d)), 2)) if pairs is None else pairs
         if self.version == 1:
             text = PAIR_TEMPLATE_V1.format(theme=split_prompt(prompt)[0])
             return [[[(panels_d[i], panels_d[j], text) for i, j in pairs]]]
@@ -203,12 +205,19 @@ class ConsistencyScore(RemoteJudge):
         return None
 
     def score(self, images, prompts, metadata, ref_images=None) -> RewardResult:
+        # each image's panels (two or more: see applies()), every unordered pair of them
+        return self.score_pairs([(split_panels(im, *grid_shape(prompt, meta)), None)
+                                 for im, prompt, meta in zip(images, prompts, metadata)], prompts, metadata)
+
+    def score_pairs(self, sets: list[tuple[list[Image.Image], list[tuple[int, int]] | None]], prompts: list[str],
+                    metadata: list[dict]) -> RewardResult:
+        """Each sample's images and the pairs of them to ask about (None: every unordered pair): the
+        judge's P(Yes) per question, averaged over pairs, then criteria, then dimensions."""
         questions, structures = {}, []
-        for im, prompt, meta in zip(images, prompts, metadata):
-            panels = split_panels(im, *grid_shape(prompt, meta))  # two or more: see applies()
+        for (panels, pairs), prompt, meta in zip(sets, prompts, metadata):
             digests = [image_digest(p) for p in panels]
             by_digest = dict(zip(digests, panels))
-            structure = self._structure(digests, prompt, meta)
+            structure = self._structure(digests, prompt, meta, pairs)
             for dim in structure:
                 for crit in dim:
                     for key in crit:

@@ -12,6 +12,7 @@ from paco_ds.rewards.base import JpegQuality, Reward, RewardResult
 
 class JpegCompressibility(Reward):
     name = "jpeg_compressibility"
+    video = "frames"  # a video: the mean over its frames (each frame compressed alone)
 
     def __init__(self, quality: JpegQuality = 95):
         self.quality = quality

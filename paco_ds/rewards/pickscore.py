@@ -24,6 +24,7 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 
 class PickScore(Reward):
     name = "pickscore"
+    video = "frames"  # a video: each frame against the prompt, the mean over its frames
 
     def __init__(self, model: str = MODEL, processor: str = PROCESSOR, tiny: bool = False, device: str = "cpu",
                  batch_size: Count = BATCH_SIZE):

@@ -23,6 +23,7 @@ REWARDS: dict[str, str] = {
     # remote, through an OpenAI-compatible reward server
     "consistency_score": "paco_ds.rewards.consistency:ConsistencyScore",
     "consistency_for_editing": "paco_ds.rewards.consistency:ConsistencyForEditing",
+    "frame_consistency": "paco_ds.rewards.frame_consistency:FrameConsistency",  # video: pairs of frames
     "edit_score": "paco_ds.rewards.edit_score:EditScore",
     "vlm_score": "paco_ds.rewards.vlm_score:VlmScore",  # Flow-GRPO's qwenvl, deqa, unifiedreward prompts
     "geneval": "paco_ds.rewards.geneval:GenEval",  # Flow-GRPO's reward-server protocol

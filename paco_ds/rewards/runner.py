@@ -23,7 +23,7 @@ import numpy as np
 
 from paco_ds.recipe.schema import RewardSet
 from paco_ds.errors import RewardError
-from paco_ds.images import to_pil
+from paco_ds.images import is_video, to_media
 from paco_ds.rewards.base import PartialRewardError, Reward, RewardResult
 from paco_ds.rewards.registry import build_reward
 
@@ -40,9 +40,10 @@ def _concat(rs: list[RewardResult]) -> RewardResult:
                         np.concatenate([r.applicable for r in rs]))
 
 
-def _applies(reward: Reward, prompts: list[str], metadata: list[dict]) -> np.ndarray:
+def _applies(reward: Reward, prompts: list[str], metadata: list[dict], images: list) -> np.ndarray:
     """Which samples `reward` applies to (a failed batch's samples it does not apply to stay so)."""
-    return np.array([reward.applies(p, m) is None for p, m in zip(prompts, metadata)], dtype=bool)
+    frames = [len(im) for im in images] if is_video(images) else [1] * len(prompts)
+    return np.array([reward.applies_to(p, m, f) is None for p, m, f in zip(prompts, metadata, frames)], dtype=bool)
 
 
 def part_scores(results: dict[str, RewardResult]) -> dict[str, np.ndarray]:
@@ -95,7 +96,7 @@ class RewardRunner:
                     raise
                 raise RewardError(f"reward '{name}' failed: {type(err).__name__}: {err}") from err
             partial = isinstance(err, PartialRewardError)
-            res = err.result if partial else RewardResult.failed(len(prompts), _applies(reward, prompts, metadata))
+            res = err.result if partial else RewardResult.failed(len(prompts), _applies(reward, prompts, metadata, images))
             n_failed = int(err.failed.sum()) if partial else int(res.applicable.sum())
             log.warning("reward '%s' failed on %d of %d samples (masked): %s", name, n_failed, len(prompts), err)
             with self._lock:
@@ -122,7 +123,7 @@ class RewardRunner:
 
     def submit(self, images, prompts: list[str], metadata: list[dict], ref_images=None) -> None:
         self.raise_if_failed()
-        pil = to_pil(images)
+        pil = to_media(images)  # PIL images, or each video's PIL frames
         futures = {name: self.pools[name].submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
                    for name, r in self.rewards.items()}
         self.pending.append((len(pil), futures))

@@ -1,5 +1,8 @@
 """Sub-figure CLIP-T: mean cosine similarity between each panel and its own panel prompt.
 
+A prompt without panel markers is one panel: the whole image against the whole prompt (CLIP-T); a
+video's per-frame form is that for each frame, averaged over the frames (paco_ds/rewards/base.py).
+
 open_clip ViT-H-14 (laion2b_s32b_b79k) for real runs; `tiny: true` builds a random tiny CLIP
 offline. Panel embeddings are cached by (panel content, text), since groups repeat prompts.
 """
@@ -15,6 +18,7 @@ from paco_ds.rewards.openclip import OpenClipReward
 
 class SubfigClipT(OpenClipReward):
     name = "subfig_clipT"
+    video = "frames"  # a video: each frame against the prompt, the mean over its frames
 
     @torch.no_grad()
     def _similarities(self, panels, texts) -> list[float]:

@@ -168,20 +168,36 @@ class MetricsLogger:
         if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log(scalars, step=step)
 
-    def save_image(self, name: str, image: Image.Image, epoch: int) -> Path | None:
+    def save_image(self, name: str, image: Image.Image | list[Image.Image], epoch: int) -> Path | None:
+        """An image (a PNG), or a video's frames (an animated WebP a browser plays; TensorBoard gets the
+        first frame, W&B a GIF of them) under images/."""
         if not self.enabled:
             return None
-        path = self.run_dir / "images" / f"{name}_epoch{epoch:04d}.png"
+        video = isinstance(image, (list, tuple))
+        path = self.run_dir / "images" / f"{name}_epoch{epoch:04d}.{'webp' if video else 'png'}"
         with writing(path, self.run_dir):
-            image.save(path)
+            if video:
+                from paco_ds.images import save_animation
+
+                save_animation(image, path)
+            else:
+                image.save(path)
+        still = image[0] if video else image
         if self.tb is not None:
             import numpy as np
 
-            self.tb.add_image(name, np.asarray(image.convert("RGB")), epoch, dataformats="HWC")
+            self.tb.add_image(name, np.asarray(still.convert("RGB")), epoch, dataformats="HWC")
         if self.wandb is not None and epoch >= self.wandb_from:
             import wandb
 
-            self.wandb.log({f"images/{name}": wandb.Image(image)}, step=epoch)  # W&B's "images" section
+            if video:  # W&B plays GIF, not WebP
+                gif = path.with_suffix(".gif")
+                with writing(gif, self.run_dir):
+                    image[0].save(gif, save_all=True, append_images=list(image[1:]), duration=125, loop=0)
+                item = wandb.Video(str(gif), format="gif")
+            else:
+                item = wandb.Image(image)
+            self.wandb.log({f"images/{name}": item}, step=epoch)  # W&B's "images" section
         return path
 
     def close(self, error: BaseException | None = None) -> None:

@@ -20,8 +20,9 @@ from kernels.sde_reference import SDEStep, sde_step as sde_ref
 
 pytestmark = pytest.mark.fast
 
-# 37 x 61 is not a multiple of the 64 lanes; 129 x 65 spans 3 chunks of 4096 with a ragged tail.
-SHAPES = [(3, 37, 61), (2, 129, 65)]
+# 37 x 61 is not a multiple of the 64 lanes; 129 x 65 spans 3 chunks of 4096 with a ragged tail; a
+# video family's 5-D latents [B, C, F', H', W'] (Wan's 16 channels, 3 latent frames) are rows too.
+SHAPES = [(3, 37, 61), (2, 129, 65), (2, 16, 3, 9, 13)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -70,6 +71,7 @@ def test_results_do_not_depend_on_the_thread_count():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kl_matches_float64(dtype):
     check_kl("cpp", dtype, (3, 129, 65))
+    check_kl("cpp", dtype, SHAPES[2])  # 5-D video latents
 
 
 def test_non_contiguous_inputs_are_handled():

@@ -20,14 +20,15 @@ pytest.importorskip("triton")
 
 DEVICE = TRITON_DEVICE
 kernel_test = triton_kernel_test
-# 37 x 61 is below one block of 1024; 65 x 70 spans 3 chunks of 2048 with a ragged tail.
-SHAPES = [(3, 37, 61), (2, 65, 70)]
+# 37 x 61 is below one block of 1024; 65 x 70 spans 3 chunks of 2048 with a ragged tail; a video
+# family's 5-D latents [B, C, F', H', W'] reduce over all their elements the same way (2 chunks).
+SHAPES = [(3, 37, 61), (2, 65, 70), (2, 4, 3, 19, 11)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @in_parent_on_cpu
 def test_in_the_interpreter():
-    run_in_triton_interpreter(__file__, min_passed=28)
+    run_in_triton_interpreter(__file__, min_passed=32)
 
 
 @kernel_test

@@ -42,7 +42,7 @@ def _qwen_recipe_without_defaults(tmp_path):
 
 def test_every_family_names_its_own_checkpoint_and_targets():
     assert set(POLICIES) == {"flux", "flux_kontext", "flux2", "flux2_klein", "qwen_image", "qwen_image_edit",
-                             "qwen_image_edit_plus", "sd3", "z_image"}
+                             "qwen_image_edit_plus", "sd3", "wan", "wan22", "wan22_ti2v", "z_image"}
     assert FluxPolicy.default_path == "black-forest-labs/FLUX.1-dev"
     assert KontextPolicy.default_path == "black-forest-labs/FLUX.1-Kontext-dev"
     assert QwenEditPolicy.default_path == "Qwen/Qwen-Image-Edit"
@@ -107,7 +107,7 @@ def test_a_target_that_matches_no_module_names_the_key(tiny_policy):
 @pytest.mark.parametrize("family, recipe", [("flux", "t2is"), ("sd3", "sd3_pickscore"), ("qwen_image_edit", "qwen_edit"),
                                             ("qwen_image", "qwen_image_t2is"), ("z_image", "z_image_t2is"),
                                             ("qwen_image_edit_plus", "qwen_edit_plus"), ("flux2", "flux2_t2is"),
-                                            ("flux2_klein", "flux2_klein_t2is")])
+                                            ("flux2_klein", "flux2_klein_t2is"), ("wan22", "wan22_t2v")])
 def test_a_target_that_matches_no_module_is_one_line_in_the_dry_run(tmp_path, family, recipe):
     """Checked against the family's transformer built on the meta device, before any model loads."""
     from conftest import one_line_error

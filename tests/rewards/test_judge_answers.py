@@ -66,13 +66,17 @@ class Judge:
                                                         "owned_by": "x"}]})
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("content-length", 0)))
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
                 judge.requests += 1
-                self._send(judge.answer)
+                self._send(judge.respond(body))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def respond(self, body: dict) -> dict:
+        """The completion for a request (`body`, the chat request): `self.answer`."""
+        return self.answer
 
     def close(self):
         self.httpd.shutdown()

@@ -1,0 +1,74 @@
+"""Full-size plans of the text-to-video recipes on fake CUDA tensors: 81-frame videos of Wan2.1-T2V-14B
+and Wan2.2-T2V-A14B at 480p and 720p, on 8 x 80 GiB
+and 8 x 141 GiB (H200). Each plan builds the checkpoint's real classes on meta from its published
+config, samples and scores a video and trains a micro-step on the real code path (2 min of CPU each).
+The plan tier (`make test-plan`, CI) holds Wan2.1-14B at 480p; Wan2.1-14B at 720p and Wan2.2-A14B at
+480p are the `video` lane's (`make test-video`, outside CI: CI's time is spent). docs/gpu_plan.md
+tabulates them."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.conftest import REPO
+
+GiB = 2 ** 30
+WAN_14B_TRANSFORMER = 14_288_491_584  # WanTransformer3DModel at Wan2.1-T2V-14B's config, without the LoRA
+UMT5_XXL_ENCODER = 5_680_910_336  # the shared token embedding counted once, as the checkpoint ties it
+P720 = ["train.resolution=[720,1280]", "test.resolution=[720,1280]"]
+
+
+def _plan(recipe: str, overrides: list[str]):
+    from paco_ds.gpu_plan.plan import gpu_plan
+    from paco_ds.grpo.plan import load_config
+
+    return gpu_plan(load_config(REPO / "configs" / recipe, overrides), 8, 80)
+
+
+def _verdicts(plan) -> tuple[str, str]:
+    from paco_ds.gpu_plan.plan import verdict
+
+    return verdict(plan), verdict(dataclasses.replace(plan, gpu_gib=141))
+
+
+@pytest.mark.plan
+def test_wan21_14b_at_480p_fits_on_8_x_80_with_checkpointing_and_flash_attention():
+    """81 frames at 480 x 832 (32,760 video tokens per sample): the 14B transformer gathered for
+    sampling beside UMT5-XXL, and training's activations with checkpointing and the flash kernel."""
+    plan = _plan("wan_t2v.yaml", [])
+    assert plan.image_size == (480, 832) and plan.gradient_checkpointing
+    assert plan.params["transformer"] - plan.params["lora"] == WAN_14B_TRANSFORMER
+    assert plan.params["text_encoders"] == UMT5_XXL_ENCODER
+    at_80, at_141 = _verdicts(plan)
+    assert plan.fits and at_80.startswith("fits on 8 x 80 GiB"), at_80
+    assert at_141.startswith("fits on 8 x 141 GiB"), at_141
+    assert max(plan.memory["training"], key=plan.memory["training"].get) == "activations"
+    assert plan.memory["sampling"]["transformer gathered for sampling"] > 20 * GiB
+
+
+@pytest.mark.video
+def test_wan21_14b_at_720p_needs_141_gib_and_the_verdict_names_the_activations():
+    """81 frames at 720 x 1280 (75,600 tokens): training's activations, even checkpointed and with the
+    flash kernel, do not fit on 80 GiB; on 141 GiB the recipe fits as shipped."""
+    plan = _plan("wan_t2v.yaml", P720)
+    assert plan.image_size == (720, 1280)
+    at_80, at_141 = _verdicts(plan)
+    assert at_80.startswith("does not fit on 8 x 80 GiB: training needs"), at_80
+    assert "biggest: activations" in at_80 and "fix: train.resolution" in at_80, at_80
+    assert at_141.startswith("fits on 8 x 141 GiB"), at_141
+    assert plan.memory["training"]["activations"] > 70 * GiB
+
+
+@pytest.mark.video
+def test_wan22_a14b_partitions_both_experts_and_fits_on_141_gib():
+    """Two 14B experts of Wan2.1-14B's config, both partitioned, gathered per step for the rollout
+    (the recipe's rollout_gather: per_step): sampling fits on 80 GiB, training on 141 GiB."""
+    plan = _plan("wan22_t2v.yaml", [])
+    assert plan.params["transformer"] - plan.params["lora"] == 2 * WAN_14B_TRANSFORMER
+    assert plan.params["text_encoders"] == UMT5_XXL_ENCODER
+    assert plan.memory["sampling"].get("transformer gathered for sampling", 0) == 0  # per step, not whole
+    assert plan.total("sampling") < 80 * GiB
+    at_80, at_141 = _verdicts(plan)
+    assert at_80.startswith("does not fit on 8 x 80 GiB: training needs"), at_80
+    assert at_141.startswith("fits on 8 x 141 GiB"), at_141
