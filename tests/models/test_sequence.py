@@ -1,8 +1,8 @@
 """parallel.sequence (paco_ds/models/sequence.py, paco_ds/runtime/sequence.py): what cannot shard is
 one line at --dry-run, masked prompts are padded to a multiple of the group, and one rank of an
 emulated group (the GPU plan's) runs its half of the tokens. The sharded forward, log-prob and
-gradients against the unsharded ones, and a run of two sequence groups, are in
-tests/grpo/test_sequence_parallel.py (the runs tier)."""
+gradients against the unsharded ones are tests/grpo/test_sequence_probe.py (the sequence tier), and a
+run of two sequence groups tests/grpo/test_sequence_parallel.py (the runs tier)."""
 from __future__ import annotations
 
 import json
