@@ -2,12 +2,12 @@
 diffusers' Ulysses attention): for FLUX.1, Qwen-Image and FLUX.2 dev (tiny twins), the velocity, the
 sampled latents and log-probs and the LoRA gradients of one trained micro-step (ZeRO-3 engine,
 backpropagated as the trainer does) equal those of the unsharded transformer on one rank
-(tests/scripts/sequence_probe.py). Its own tier, `make test-sequence`, outside CI's lanes: three
-families' builds on 2 ranks take minutes; the runs tier's two sequence groups train and resume in
-tests/grpo/test_sequence_parallel.py."""
+(tests/scripts/sequence_probe.py). And the runs tier's two sequence groups of 4 ranks
+(tests/grpo/test_sequence_parallel.py), resumed from their epoch-1 checkpoint under ZeRO-3, reproduce
+their metrics. Its own tier, `make test-sequence`, outside CI's lanes: minutes of launches on 2 cores."""
 import pytest
 
-from distributed_runs import rank_probe
+from distributed_runs import SEQUENCE_GROUPS_RUN, metrics, rank_probe, resume_copy, stable, tail
 
 pytestmark = pytest.mark.sequence
 
@@ -25,3 +25,11 @@ def test_the_sharded_velocity_log_prob_and_lora_gradients_equal_the_unsharded_on
             # the group's gradient shares, averaged by DeepSpeed over the ranks, are the sample's gradient
             assert d["grad_scale"] > 0 and d["grad"] <= 1e-4 * d["grad_scale"], (family, d)
     assert results[0]["families"] == results[1]["families"]  # both ranks of the group hold the same
+
+
+def test_two_sequence_groups_resume_exactly(runs, tmp_path):
+    run = runs.get("sequence_parallel", *SEQUENCE_GROUPS_RUN, nproc=4).ok()  # the runs tier's run, cached
+    resumed = resume_copy(run.dir, tmp_path / "resumed", "epoch_0001", *SEQUENCE_GROUPS_RUN, nproc=4)
+    assert resumed.returncode == 0, tail(resumed)
+    assert "resumed from" in resumed.stdout
+    assert stable(metrics(tmp_path / "resumed")) == stable(run.metrics())
