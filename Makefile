@@ -82,6 +82,14 @@ test-all: setup
 test-stop: setup
 	$(PY) -m pytest -q -m stop $(SKIP_POLICY)
 
+# parallel.sequence on CPU ranks: for FLUX.1, Qwen-Image and FLUX.2 the sharded velocity, log-probs and
+# LoRA gradients against the unsharded ones, and the two sequence groups' run resumed
+# (tests/grpo/test_sequence_probe.py; minutes on 2 shared cores). Not in tests/lanes.sh: CI's 40 minutes
+# hold the two sequence groups' run itself (runs tier) instead.
+.PHONY: test-sequence
+test-sequence: setup
+	$(PY) -m pytest -q -m sequence --durations=5 $(SKIP_POLICY)
+
 sft-demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29512 launch/sft.py --config configs/tiny/reward_sft.yaml
 

@@ -225,6 +225,11 @@ class RunCache:
 SHORT_RUN = ("train.num_epochs=2", "sample.group_size=4", "test.eval_freq=0", "checkpoint.save_freq=1",
              "checkpoint.keep_last=2", "logging.num_train_images=0", "reward_servers=null",
              "rewards.train.terms={jpeg_compressibility: {weight: 1.0}}", "rewards.test=null")
+# SHORT_RUN made small for 4 processes on 2 cores under parallel.sequence=2 (two groups of 2): one trained
+# step of two, 32 px images (4 tokens), 16 prompt tokens, an evaluation at the start and the end
+SEQUENCE_GROUPS_RUN = (*SHORT_RUN, "parallel.sequence=2", "sample.num_steps=2", "sample.noise_steps=[0]",
+                       "train.resolution=32", "model.max_sequence_length=16", "sample.batch_size=2", "train.batch_size=2",
+                       "test.eval_freq=2", "test.resolution=32", "test.num_steps=2", "logging.tensorboard=false")
 
 
 def resumes_exactly(tmp_path: Path, config: Path, *sets: str) -> list[dict]:

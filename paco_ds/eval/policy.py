@@ -22,6 +22,7 @@ def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None,
     """Base and trained on the recipe's test prompts; a table on stdout and files in `out`."""
     from paco_ds.runtime.checkpoint import CheckpointManager
     from paco_ds.runtime.distributed import barrier, setup_distributed, shutdown_distributed
+    from paco_ds.runtime.sequence import grouped
     from paco_ds.errors import ConfigError
     from paco_ds.serving.manager import started_for_run
 
@@ -32,7 +33,7 @@ def run_policy_eval(cfg, lora: str | None = None, checkpoint: str | None = None,
 
         check_lora_file(lora, "--lora")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dist = setup_distributed()
+    dist = grouped(setup_distributed(), cfg.parallel.sequence)  # parallel.sequence: groups sample together
     out_dir = Path(out) if out else cfg.run_dir / "eval"
     if checkpoint:  # its adapter (the EMA when the recipe keeps one), read from the checkpoint's files
         from paco_ds.grpo.export import export_from_checkpoint
@@ -82,17 +83,23 @@ def _build(cfg, dist):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    from paco_ds.grpo.preflight import check_input_images
+    from paco_ds.grpo.preflight import check_input_images, check_sequence_parallel
+    from paco_ds.models.sequence import shard_sequence
+    from paco_ds.runtime.sequence import sequence_mesh
 
     items = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file")
     if cfg.data.max_test_prompts:
         items = items[:cfg.data.max_test_prompts]
     check_input_images(cfg, items, "data.test_file")  # before any model loads
+    check_sequence_parallel(cfg, [], items)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
     check_attention_backend(cfg.model.attention_backend, policy_class(cfg.model.family), dist.device, cfg.model.dtype)
     policy = build_policy(cfg.model, dist.device)  # whole on each rank: inference holds no optimizer state
     add_lora(policy.transformer, cfg.model.lora)
     set_attention_backend(policy.transformer, cfg.model.attention_backend)
+    mesh = sequence_mesh(dist)
+    if mesh is not None:
+        shard_sequence(policy, mesh)
     policy.transformer.requires_grad_(False).to(policy.dtype)  # the adapter in the model's dtype, as the engine holds it
     rewards = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else "rewards.train.terms",
                            batches_in_flight=cfg.rewards.batches_in_flight, device=str(dist.device),

@@ -28,5 +28,10 @@ def print_plan(cfg, world_size: int, gpu_gib: float, log=print):
                           f"full-size model (`full_size`: {', '.join(planned)}); {policy.__name__} of "
                           f"'{cfg.model.family}' has none")
     plan = gpu_plan(cfg, world_size, gpu_gib)  # a device mix on the path raises DevicePathError: a code defect
+    from paco_ds.gpu_plan.sequence import sequence_advice
+
+    advice = sequence_advice(cfg, world_size, gpu_gib, plan, log)  # more plans where sharding could help
+    if advice:
+        plan.advice.append(advice)
     log(describe(plan))
     return plan

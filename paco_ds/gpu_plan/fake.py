@@ -14,6 +14,8 @@
 3. It counts device memory: every device storage an op creates is live until Python drops it;
    bytes are summed per tag (what the code was doing when it allocated), and the peak of the total,
    with its split by tag, is kept per phase.
+4. It counts the bytes of the collectives the code issues (sequence parallelism's all-to-alls and
+   gathers, on an emulated process group whose collectives move nothing): each one's result.
 
 Models are built on the meta device and turned into fake CUDA tensors (`to_fake_cuda`), so a 20B
 transformer costs no host memory.
@@ -66,6 +68,7 @@ class FakeCuda(TorchDispatchMode):
         # Model FLOPs (torch.utils.flop_counter's formulas) of every device op. Not FlopCounterMode:
         # its module tracking keeps activations alive, which undoes gradient checkpointing.
         self.flops = 0.0
+        self.collective_bytes = 0  # the results of every collective (c10d ops) so far
 
     # ------------------------------------------------------------------ tags and phases
     @contextlib.contextmanager
@@ -164,6 +167,9 @@ class FakeCuda(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry:
             self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        if func.namespace in ("_c10d_functional", "c10d") and not func.__name__.startswith("wait"):
+            self.collective_bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                         if isinstance(t, torch.Tensor))
         shadow = self._shadow_of(func, flat, spec, out)
         outs = tree_flatten(out)[0]
         for t in outs:

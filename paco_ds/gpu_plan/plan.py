@@ -52,6 +52,8 @@ class GpuPlan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     rollout_batch: int = 1  # sample.batch_size the pass sampled and scored with
+    sequence: int = 1  # parallel.sequence the pass ran with
+    advice: list[str] = field(default_factory=list)  # further plans' findings the verdict names (gpu_plan/sequence.py)
 
     def total(self, phase: str) -> int:
         return sum(self.memory[phase].values())
@@ -71,30 +73,35 @@ class GpuPlan:
                 "memory_gib": {p: {k: round(v / GiB, 3) for k, v in m.items()} for p, m in self.memory.items()},
                 "peak_gib": {p: round(self.total(p) / GiB, 3) for p in PHASES}, "fits": self.fits,
                 "flops_per_image": self.flops, "flops_detail": self.flops_detail, "counts": self.counts,
-                "seconds": round(self.seconds, 1), "rollout_batch": self.rollout_batch,
+                "seconds": round(self.seconds, 1), "rollout_batch": self.rollout_batch, "sequence": self.sequence,
                 "largest_rollout_batch": largest_rollout_batch(self), "verdict": verdict(self)}
 
 
 # ------------------------------------------------------------------------------------ counting
 class _Counter:
-    """FLOPs per labelled call (torch.utils.flop_counter), summed over calls."""
+    """FLOPs (torch.utils.flop_counter) and collective bytes per labelled call, summed over calls."""
 
     def __init__(self, mode):
         self.mode = mode
         self.flops: dict[str, float] = {}
+        self.collective: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
     def wrap(self, label: str, fn):
         def run(*args, **kwargs):
-            before = self.mode.flops
+            before, sent = self.mode.flops, self.mode.collective_bytes
             out = fn(*args, **kwargs)
             self.flops[label] = self.flops.get(label, 0.0) + self.mode.flops - before
+            self.collective[label] = self.collective.get(label, 0) + self.mode.collective_bytes - sent
             self.calls[label] = self.calls.get(label, 0) + 1
             return out
         return run
 
     def per_call(self, label: str) -> float:
         return self.flops.get(label, 0.0) / max(self.calls.get(label, 0), 1)
+
+    def collective_per_call(self, label: str) -> float:
+        return self.collective.get(label, 0) / max(self.calls.get(label, 0), 1)
 
 
 def _pass_config(cfg: Config) -> tuple[Config, int]:
@@ -148,7 +155,20 @@ def _zero(ds: dict) -> dict:
 def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
     """Run the fake-CUDA pass for `cfg` and account one rank of `world_size` with `gpu_gib` GiB. The
     policy, the loss and the rollouts are the trainer's own (paco_ds/grpo/build.py), built from the
-    full-size model on the fake device (source.py)."""
+    full-size model on the fake device (source.py). Under parallel.sequence: N the pass is one rank of
+    a sequence group of N in this process alone (runtime/sequence.py, `emulated_group`): the
+    transformer runs its sharded code, so the activations counted are that rank's."""
+    from paco_ds.runtime.sequence import data_world, emulated_group
+
+    n = cfg.parallel.sequence
+    if n == 1:
+        return _pass(cfg, world_size, gpu_gib, None)
+    data_world(world_size, n)
+    with emulated_group(n) as mesh:
+        return _pass(cfg, world_size, gpu_gib, mesh)
+
+
+def _pass(cfg: Config, world_size: int, gpu_gib: float, sequence_mesh) -> GpuPlan:
     from paco_ds.grpo import build
     from paco_ds.grpo.losses import build_loss
     from paco_ds.gpu_plan.fake import FakeCuda
@@ -182,7 +202,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
     # checkpointing on the full-size transformer, the frozen parts on the fake device in the dtypes
     # the policy holds them in; then the adapted transformer on the device.
     source = FullSizeOnFakeCuda(mode)
-    policy = build.adapted_policy(run_cfg, device, {}, source)
+    policy = build.adapted_policy(run_cfg, device, {}, source, sequence_mesh=sequence_mesh)
     source.place_adapted(policy.transformer, dtype)
     transformer = policy.transformer
     lora = [p for p in transformer.parameters() if p.requires_grad]
@@ -306,6 +326,8 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
     enc = (counter.flops.get("encode_prompts", 0.0) + counter.flops.get("encode_condition", 0.0)) / b
     dec = counter.per_call("decode") / b
     micro = counter.per_call("micro_step") / len(batch)
+    group = cfg.parallel.sequence  # each rank of a sequence group computes its share of a transformer call
+    fwd, micro = fwd * group, micro * group
     trained = len(cfg.train_timesteps) * cfg.train.num_inner_epochs
     # transformer calls per image: fewer under sample.ode_steps (a group's shared prefix aside); a
     # sliding window (MixGRPO) moves the plan with it, so the mean over the places it visits in turn
@@ -328,6 +350,14 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
     if pass_steps < n_steps:
         notes.append(f"the pass ran {pass_steps} of {n_steps} denoising steps and trained 1 of {trained} steps per "
                      "sample; the others are the same forward (and backward) at the same shapes, counted in the FLOPs")
+    if group > 1:
+        counts["collective_bytes_per_forward"] = counter.collective_per_call("velocity") / b
+        counts["collective_bytes_per_micro_step"] = counter.collective_per_call("micro_step") / len(batch)
+        notes.append(f"parallel.sequence={group}: the pass ran one rank of a sequence group of {group} (an emulated "
+                     f"process group), so the activations are one rank's; FLOPs are the group's ({group} shares); each "
+                     f"rank's all-to-alls and gathers carry {counts['collective_bytes_per_forward'] / GiB:.2f} GiB per "
+                     f"image and transformer call, {counts['collective_bytes_per_micro_step'] / GiB:.2f} GiB per "
+                     "sample and trained micro-step (forward and backward)")
     if mode.ignored:
         notes.append(f"{mode.ignored} data-dependent reads of large device tensors (losses, statistics) read NaN")
     params = {"transformer": n_base + n_lora, "lora": n_lora,
@@ -343,7 +373,7 @@ def gpu_plan(cfg: Config, world_size: int, gpu_gib: float) -> GpuPlan:
                    image_size=(h, w), dtype=str(dtype).replace("torch.", ""),
                    gradient_checkpointing=cfg.model.gradient_checkpointing, params=params, memory=memory, flops=flops,
                    flops_detail=detail, counts=counts, seconds=time.perf_counter() - t0, notes=notes,
-                   rollout_batch=cfg.sample.batch_size)
+                   rollout_batch=cfg.sample.batch_size, sequence=group)
 
 
 def _park_text_encoders(mode, policy) -> None:
@@ -422,7 +452,7 @@ def verdict(plan: GpuPlan) -> str:
     if not over:
         free = (plan.capacity - plan.total(peak)) / GiB
         return (f"fits on {head}: peak {plan.total(peak) / GiB:.1f} GiB per rank in {peak} ({free:.1f} GiB free)"
-                + rollouts)
+                + rollouts + "".join(f"; {a}" for a in plan.advice))
     lines = []
     for phase in over:
         mem = plan.memory[phase]
@@ -433,7 +463,7 @@ def verdict(plan: GpuPlan) -> str:
                         "a larger GPU"))
         lines.append(f"{phase} needs {plan.total(phase) / GiB:.1f} GiB ({need:.1f} over); biggest: "
                      + ", ".join(f"{k} {v / GiB:.1f}" for k, v in top) + f"; fix: {fix}")
-    return f"does not fit on {head}: " + " | ".join(lines) + rollouts
+    return f"does not fit on {head}: " + " | ".join(lines) + rollouts + "".join(f"; {a}" for a in plan.advice)
 
 
 def parameters_line(params: dict[str, int]) -> str:
@@ -449,7 +479,8 @@ def describe(plan: GpuPlan) -> str:
     cats = list(dict.fromkeys(k for p in PHASES for k in plan.memory[p]))
     width = max(len(c) for c in cats + ["total"])
     out = [f"GPU plan per rank ({plan.family}, {plan.image_size[0]}x{plan.image_size[1]}, {plan.dtype}, "
-           f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}, world size {plan.world_size}); "
+           f"gradient checkpointing {'on' if plan.gradient_checkpointing else 'off'}, world size {plan.world_size}"
+           + (f", parallel.sequence {plan.sequence}" if plan.sequence > 1 else "") + "); "
            f"GiB:", f"  {'':<{width}}  " + "  ".join(f"{p:>9}" for p in PHASES)]
     for c in cats:
         if any(plan.memory[p].get(c, 0) for p in PHASES):

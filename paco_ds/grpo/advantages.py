@@ -44,15 +44,19 @@ class EpochRewards:
     @classmethod
     def gather(cls, positions: np.ndarray, groups: np.ndarray, valid: np.ndarray, scores: dict[str, np.ndarray],
                parts: dict[str, np.ndarray], latency_s: list[float],
-               applicable: dict[str, np.ndarray] | None = None) -> "EpochRewards":
+               applicable: dict[str, np.ndarray] | None = None, scored: bool = True) -> "EpochRewards":
         """Collective: each rank's samples (their epoch positions, groups and rewards), sorted by
         position, so that a group's statistics do not depend on which rank sampled what.
-        `applicable`: per reward, which samples it applies to (None: all)."""
+        `applicable`: per reward, which samples it applies to (None: all). `scored`: whether this rank
+        scored its samples; a rank of a sequence group other than its first holds the same samples
+        and sends only their positions, to find its own in the order (parallel.sequence)."""
         from paco_ds.runtime.distributed import all_gather_object
 
         applicable = applicable if applicable is not None else {n: np.ones(len(positions), bool) for n in scores}
         everyone = all_gather_object({"positions": positions, "groups": groups, "valid": valid, "scores": scores,
-                                      "parts": parts, "latency_s": latency_s, "applicable": applicable})
+                                      "parts": parts, "latency_s": latency_s, "applicable": applicable,
+                                      "scored": scored})
+        everyone = [e for e in everyone if e["scored"]]
         pos = np.concatenate([e["positions"] for e in everyone])
         order = np.argsort(pos)
 

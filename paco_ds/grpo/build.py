@@ -16,6 +16,7 @@ from paco_ds.models import build_policy
 from paco_ds.models.attention import set_attention_backend
 from paco_ds.models.compile import compile_blocks
 from paco_ds.models.lora import add_lora
+from paco_ds.models.sequence import shard_sequence
 from paco_ds.rewards.runner import RewardRunner
 from paco_ds.serving.manager import endpoints_for_run
 
@@ -37,15 +38,19 @@ def ds_config(cfg: Config, plan: EpochPlan, dist: DistInfo) -> dict:
         zero_stage=run_zero_stage(cfg, dist.world_size), overrides=cfg.deepspeed.overrides)
 
 
-def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None):
+def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None, sequence_mesh=None):
     """The policy with the recipe's LoRA: frozen encoders/VAE per rank; the transformer goes into the
     engine. Under ZeRO-3 it is built partitioned: no rank ever holds the whole transformer. `source`
     (a paco_ds.models.base.ModelSource): where the modules come from when not the recipe's checkpoint
-    or tiny twin (the GPU plan's full-size model on a fake device, paco_ds/gpu_plan/source.py)."""
+    or tiny twin (the GPU plan's full-size model on a fake device, paco_ds/gpu_plan/source.py).
+    `sequence_mesh` (parallel.sequence, paco_ds/runtime/sequence.py): the transformer's tokens are split
+    over the ranks of its sequence groups."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.model.allow_tf32
     policy = build_policy(cfg.model, device, ds, source)
     add_lora(policy.transformer, cfg.model.lora)
     set_attention_backend(policy.transformer, cfg.model.attention_backend)  # checked at start-up (run.py)
+    if sequence_mesh is not None:  # after the backend: its processors take the group
+        shard_sequence(policy, sequence_mesh)
     if cfg.model.gradient_checkpointing:  # recompute activations in backward: memory for time
         policy.transformer.enable_gradient_checkpointing()
     if cfg.model.compile:  # after LoRA: the compiled blocks trace the adapted layers

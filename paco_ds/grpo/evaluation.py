@@ -3,8 +3,9 @@
 
 `evaluate_test_prompts` samples every test prompt with ODE steps at the test resolution (an item's
 own size wins), scores it with the test reward set (each batch while the next one samples) and
-gathers the results from all ranks. Prompt i goes to rank i % world_size and samples from a
-generator seeded by (seed, "eval", i), so an image and its scores do not depend on how many
+gathers the results from all ranks. Prompt i goes to data-parallel rank i % data_world (a sequence
+group of parallel.sequence ranks samples it together, and its first rank scores it) and samples from
+a generator seeded by (seed, "eval", i), so an image and its scores do not depend on how many
 processes share the work.
 """
 from __future__ import annotations
@@ -34,18 +35,23 @@ def evaluate_test_prompts(cfg: Config, dist: DistInfo, rollouts: Rollouts, items
     if not items:
         return {}, []
     t0 = time.perf_counter()
-    mine = [(i, it) for i, it in enumerate(items) if i % dist.world_size == dist.rank]
+    mine = [(i, it) for i, it in enumerate(items) if i % dist.data_world == dist.data_rank]
     n_show = cfg.test.num_images
     scored, shown = [], []  # (prompt index, size) of each submitted sample, in submission order
     swapped = weights if weights is not None and adapter else contextlib.nullcontext()
     bar = tqdm(total=len(mine), desc="eval", unit="prompt", disable=not dist.is_main, leave=False)
     with swapped, _adapter(rollouts.policy.transformer, adapter), rollouts.module() as module:
         for start in range(0, len(mine), cfg.test.batch_size):
-            if stopping.saving_requested():  # preempted: no more batches; the trainer's next check saves
+            # preempted: no more batches; the trainer's next check saves. Not under parallel.sequence: the
+            # ranks of a group would see the request at different batches, and a forward's all-to-all
+            # needs them all (the evaluation finishes first there)
+            if dist.sequence == 1 and stopping.saving_requested():
                 break
             chunk = mine[start:start + cfg.test.batch_size]
             for (h, w), picks in rollouts.by_size([Pick(it, i, i) for i, it in chunk], cfg.test.resolution):
                 traj = rollouts.sample_test(module, picks, h, w)
+                if not dist.scores:  # the group's first rank scores and shows these images
+                    continue
                 refs = rollouts.references(traj)
                 # scored while the next batch samples, as in training; collected once below
                 rewards.submit(traj.images, traj.prompts, traj.metadata, refs)

@@ -55,7 +55,8 @@ def grpo_schema(data: dict) -> type[Config]:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Batch arithmetic of one GRPO epoch for a given number of training processes."""
+    """Batch arithmetic of one GRPO epoch for a given number of data-parallel ranks (the training
+    processes, or their sequence groups under parallel.sequence)."""
 
     world_size: int
     group_size: int  # k
@@ -148,10 +149,14 @@ def _too_few_prompts_for_batches(cfg: Config, world_size: int, m: int, dataset_s
 
 
 def check_recipe(cfg: Config, world_size: int) -> RecipeCheck:
+    """The recipe and its data for `world_size` processes; the epoch plan is for their data-parallel
+    ranks (a sequence group of parallel.sequence ranks is one)."""
+    from paco_ds.runtime.sequence import data_world
+
     train = load_prompts(cfg.resolve_path(cfg.data.train_file), cfg.data.format, "data.train_file")
     test = load_prompts(cfg.resolve_path(cfg.data.test_file), cfg.data.format, "data.test_file") \
         if cfg.data.test_file else None
-    plan = derive(cfg, world_size, dataset_size=len(train))
+    plan = derive(cfg, data_world(world_size, cfg.parallel.sequence), dataset_size=len(train))
     from paco_ds.grpo.preflight import preflight, unjudged_records, video_lines
 
     preflight(cfg, train, test)  # what a run checks before its first step
@@ -224,7 +229,11 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unj
         ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
         ("LoRA targets", ", ".join(cfg.model.lora.target_modules or [])),
         ("train prompts", n_train), ("test prompts", n_test if n_test is not None else "-"),
-        ("world size", plan.world_size), ("group size k", plan.group_size),
+        ("world size", plan.world_size * cfg.parallel.sequence), ("group size k", plan.group_size),
+        *((("sequence parallel", f"parallel.sequence={cfg.parallel.sequence}: {plan.world_size} groups of "
+            f"{cfg.parallel.sequence} ranks, each rank holding 1/{cfg.parallel.sequence} of a sample's tokens; "
+            "a group samples and trains its samples together (per rank below: per group)"),)
+          if cfg.parallel.sequence > 1 else ()),
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),
         ("samples per epoch", plan.samples_per_epoch), ("samples per rank", plan.samples_per_rank),
         ("loss", loss_line(cfg)),

@@ -166,7 +166,7 @@ def unjudged_records(cfg: Config, train_items: list, test_items: list | None) ->
 # A change of these makes the resumed run another run (tensors of another shape, another loss's state,
 # another model or reward): refused unless --allow-changed names it.
 RESUME_MUST_MATCH = ("model.family", "model.path", "model.tiny", "model.lora.rank", "model.lora.alpha",
-                     "model.lora.target_modules", "train.loss", "rewards.train.terms")
+                     "model.lora.target_modules", "train.loss", "rewards.train.terms", "parallel.sequence")
 # Allowed, and printed once when they changed.
 RESUME_NOTED = ("train.num_epochs", "train.learning_rate", "train.max_grad_norm", "train.kl_beta", "seed",
                 "sample.num_steps", "sample.group_size", "sample.prompts_per_epoch", "test.eval_freq",
@@ -268,6 +268,48 @@ def check_family(cfg: Config) -> None:
     policy_class(cfg.model.family).check_recipe(cfg)
 
 
+def check_sequence_parallel(cfg: Config, train_items: list, test_items: list | None) -> None:
+    """parallel.sequence: N > 1 splits every sample's tokens over N ranks (paco_ds/models/sequence.py):
+    the family must declare the split and dispatch its attention, its heads and its token counts must
+    divide by N (prompt tokens of a family without a prompt mask: model.max_sequence_length; image
+    tokens at every size the recipe and its data name; an edit's reference tokens are checked when they
+    are encoded), and what it runs beside must compose with it. One line naming the key, or nothing."""
+    n = cfg.parallel.sequence
+    if n == 1:
+        return
+    from paco_ds.models import policy_class
+    from paco_ds.models import sequence as sp
+    from paco_ds.grpo.losses import loss_class
+    from paco_ds.runtime.engine import recipe_zero_stage
+
+    policy = policy_class(cfg.model.family)
+    why = sp.family_refusal(policy) or sp.backend_refusal(cfg.model.attention_backend)
+    if why is None:
+        heads = sp.attention_heads(policy, cfg.model)
+        why = sp.divides("attention heads", heads, n) if heads is not None else None
+    if why is None and not policy.text_attention_mask:  # its prompts are padded to this length, unmasked
+        length = policy.options(cfg.model).get("max_sequence_length")
+        why = sp.divides("prompt tokens (model.max_sequence_length)", length, n) if length else None
+    sizes = {(r, r): key for key, r in (("train.resolution", cfg.train.resolution),
+                                        ("test.resolution", cfg.test.resolution))}
+    for items, key in ((train_items, "data.train_file"), (test_items or [], "data.test_file")):
+        for it in items:
+            if getattr(it, "height", None) or getattr(it, "width", None):
+                sizes.setdefault(it.size(cfg.train.resolution), it.where or key)
+    for (h, w), where in sizes.items():
+        why = why or sp.divides(f"image tokens of {h}x{w} ({where})", sp.image_tokens(policy, h, w), n)
+    if why is None and loss_class(cfg.train.loss).gathers_across_ranks:
+        why = (f"train.loss {cfg.train.loss} gathers every rank's rows in each micro-step, and the ranks of a "
+               "sequence group hold the same samples")
+    if why is None and cfg.model.compile and recipe_zero_stage(cfg) != 3:
+        # compiled training steps: diffusers' Ulysses backward marks its saved tensors as requiring grad,
+        # which dynamo refuses in a full graph (the sampling phase of ZeRO-3, without grad, compiles)
+        why = ("model.compile below ZeRO stage 3 compiles the training steps' blocks, whose Ulysses attention "
+               "backward does not trace; under ZeRO-3 only sampling runs compiled, which composes")
+    if why:
+        raise ConfigError(f"config key '{sp.KEY}': {n}: {why}")
+
+
 def check_deepspeed_config(cfg: Config) -> None:
     from paco_ds.runtime.engine import load_ds_config
 
@@ -293,6 +335,7 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_tree(cfg)
     check_attention(cfg)
     check_sequence_length(cfg)
+    check_sequence_parallel(cfg, train_items, test_items)
     check_lora_targets(cfg)
     check_writable(cfg.run_dir, "output_dir")
     check_wandb(cfg.logging.wandb)  # W&B asked for and not installed: say so now, not by its absence

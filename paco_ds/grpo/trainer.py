@@ -33,6 +33,7 @@ from paco_ds.data import KRepeatSampler
 from paco_ds.runtime.distributed import DistInfo, all_gather_object, all_reduce_max, all_reduce_mean, any_true
 from paco_ds.runtime.engine import create_engine, zero_stage
 from paco_ds.runtime.throughput import counting, device_peak, epoch_figures
+from paco_ds.runtime.sequence import group_loss, grouped, sequence_mesh
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
@@ -61,14 +62,16 @@ class GRPOTrainer:
     def __init__(self, cfg: Config, dist: DistInfo, servers_ready=lambda: None):
         """`servers_ready`: waits (a collective) until the run's reward servers serve; they start while
         the models are built, and the rewards that talk to them are built after it returns."""
+        # parallel.sequence: a sequence group of ranks is one data-parallel rank (runtime/sequence.py)
+        dist = grouped(dist, cfg.parallel.sequence)
         self.cfg, self.dist = cfg, dist
         self.run_dir = cfg.run_dir
         _seed_everything(cfg.seed)  # identical on every rank: the tiny model and LoRA init must agree
         self.train_items, self.test_items = build.prompts(cfg)
-        self.plan = derive(cfg, dist.world_size, dataset_size=len(self.train_items))
+        self.plan = derive(cfg, dist.data_world, dataset_size=len(self.train_items))
         self._progress: EpochProgress | None = None  # the epoch being trained, or a mid-epoch checkpoint's
         self.ds_config = build.ds_config(cfg, self.plan, dist)
-        self.policy = build.adapted_policy(cfg, dist.device, self.ds_config)
+        self.policy = build.adapted_policy(cfg, dist.device, self.ds_config, sequence_mesh=sequence_mesh(dist))
         startup.mark("models")
         self.loss = build_loss(cfg, self.policy)
         self.trainable = [p for p in self.policy.transformer.parameters() if p.requires_grad]
@@ -83,7 +86,7 @@ class GRPOTrainer:
             if cfg.train.ema.enabled else None
         self.policy.transformer.register_forward_pre_hook(self._count_forward)
         self.sampler = KRepeatSampler(len(self.train_items), cfg.sample.group_size, self.plan.prompts_per_epoch,
-                                      dist.world_size, dist.rank, cfg.sample.batch_size, cfg.seed)
+                                      dist.data_world, dist.data_rank, cfg.sample.batch_size, cfg.seed)
         servers_ready()
         startup.mark("judges_ready")
         self.train_rewards, self.eval_rewards = build.rewards(cfg, dist)
@@ -152,8 +155,9 @@ class GRPOTrainer:
             t0, busy = time.perf_counter(), self.train_rewards.busy_seconds
             samples = self.sample_epoch()
             t_sample = time.perf_counter() - t0
-            # what sample.ode_steps and sample.share_prefix save shows here
-            metrics["sample/transformer_calls"] = float(sum(all_gather_object(samples.transformer_calls)))
+            # what sample.ode_steps and sample.share_prefix save shows here (a sequence group's calls once)
+            metrics["sample/transformer_calls"] = \
+                float(sum(all_gather_object(samples.transformer_calls))) / self.dist.sequence
             self.policy.park_text_encoders(True)  # off the GPU until a prompt is encoded (Rollouts.encoded)
             metrics |= self.score_epoch(samples)
             t_reward = time.perf_counter() - t0 - t_sample
@@ -183,11 +187,13 @@ class GRPOTrainer:
 
     def flops_per_image(self) -> float | None:
         """Model FLOPs per trained image: its rollout, and its share of the epoch's micro-steps (each
-        trains train.batch_size samples at one step); None until both were counted."""
+        trains train.batch_size samples at one step); None until both were counted. Under
+        parallel.sequence a rank computes its 1/N of each sample's tokens (and heads), so the image's
+        FLOPs are N times what this rank counted."""
         if self.sample_flops_per_image is None or self.micro_step_flops is None:
             return None
-        return self.sample_flops_per_image + self.micro_step_flops * self.plan.micro_steps_per_rank / \
-            self.plan.samples_per_rank
+        return self.dist.sequence * (self.sample_flops_per_image + self.micro_step_flops *
+                                     self.plan.micro_steps_per_rank / self.plan.samples_per_rank)
 
     def _epoch_start(self, resumed: bool) -> dict:
         """The judges awake, the evaluation and checkpoint when due (a resumed run's first epoch is
@@ -240,7 +246,10 @@ class GRPOTrainer:
                     else:
                         traj = self.rollouts.sample(module, picks, h, w, self.epoch)
                     # scores while we sample on; editing rewards compare against the original references
-                    self.train_rewards.submit(traj.images, traj.prompts, traj.metadata, self.rollouts.references(traj))
+                    # (once per sequence group: its ranks hold the same images)
+                    if self.dist.scores:
+                        self.train_rewards.submit(traj.images, traj.prompts, traj.metadata,
+                                                  self.rollouts.references(traj))
                     out.trajectories.append(traj)
                 if self.preemption.requested():  # collective: every rank has the same number of rollout batches
                     break
@@ -262,7 +271,7 @@ class GRPOTrainer:
             scores={name: r.scores for name, r in results.items()},
             parts=part_scores(results),  # e.g. consistency_for_editing's consistency and following
             latency_s=self.train_rewards.take_latencies(),  # this epoch's judge requests, evaluation's included
-            applicable={name: r.applicable for name, r in results.items()})
+            applicable={name: r.applicable for name, r in results.items()}, scored=self.dist.scores)
         adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device,
                                    applicable=rewards.applicable)
         sizes = [len(t) for t in trajs]
@@ -318,7 +327,7 @@ class GRPOTrainer:
         self.engine.train()
         self.preemption.check(self.epoch, progress, accumulating=progress.done % group_len != 0)
         for inner in range(cfg.train.num_inner_epochs):
-            gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.rank)
+            gen = make_generator(cfg.seed, "shuffle", self.epoch, inner, self.dist.data_rank)
             for m, (chunk, fillers) in enumerate(micro_batches(kept or entries, n_micro, bs, gen)):
                 before = (inner * n_micro + m) * n_t  # the epoch's micro-steps before this batch's
                 if before + n_t <= progress.done:  # taken before the preemption checkpoint
@@ -345,7 +354,7 @@ class GRPOTrainer:
                 self.guard.nonfinite(f"non-finite loss at epoch {self.epoch}")
             else:
                 self.guard.finite()
-                self.engine.backward(loss / scale, scale_wrt_gas=False)
+                self.engine.backward(group_loss(loss, self.dist) / scale, scale_wrt_gas=False)
         if counted is not None and not skip:
             self.micro_step_flops = counted.flops
         self.engine.step()
@@ -365,7 +374,7 @@ class GRPOTrainer:
         cfg, stats = self.cfg, progress.stats
         out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items() if k not in ("nonfinite", "nonfinite_grad")}
         out = all_reduce_mean(out)
-        out["train/nonfinite_steps"] = float(sum(all_gather_object(sum(stats.get("nonfinite", [])))))
+        out["train/nonfinite_steps"] = float(sum(all_gather_object(sum(stats.get("nonfinite", []))))) / self.dist.sequence
         # the gradient norm is global: every rank saw the same skipped steps
         out["train/skipped_optimizer_steps"] = float(sum(stats.get("nonfinite_grad", [])))
         for key, v in progress.first.items():

@@ -245,6 +245,9 @@ class Policy(ABC):
     # with short position tables (None: the tiny encoder reads long prompts too).
     takes_max_sequence_length: bool = True
     tiny_prompt_cap: int | None = 64
+    # parallel.sequence: the ranks the transformer's tokens are split over (paco_ds/models/sequence.py
+    # sets it); a family that masks its padded prompt tokens pads them to a multiple of it
+    sequence_degree: int = 1
     # Per device: the empty prompt's embeddings, for families with classifier-free guidance (their
     # constructor encodes it once into `negative`; `negative_here` copies it to the device once).
     negative: "TextEmbeds | None" = None

@@ -203,10 +203,13 @@ class Flux2Policy(PackedPolicy):
 
     def _call(self, module: nn.Module, latents: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
               guidance: torch.Tensor | None, height: int, width: int) -> torch.Tensor:
-        """One transformer call on packed latents [B, L, C] and prompt embeddings [B, S, D]."""
+        """One transformer call on packed latents [B, L, C] and prompt embeddings [B, S, D]. The ids go
+        with a batch dimension of one, as the pipeline passes them: the transformer reads the first row,
+        and sequence parallelism splits ids of that shape with the tokens (its `_cp_plan`)."""
         return module(hidden_states=latents.to(self.dtype), timestep=t, guidance=guidance,
-                      encoder_hidden_states=text.to(self.device, self.dtype), txt_ids=self.text_ids(text.shape[1]),
-                      img_ids=self.image_ids(height, width), return_dict=False)[0]
+                      encoder_hidden_states=text.to(self.device, self.dtype),
+                      txt_ids=self.text_ids(text.shape[1])[None], img_ids=self.image_ids(height, width)[None],
+                      return_dict=False)[0]
 
     def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,
                  height: int, width: int, guidance: float, condition=None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from paco_ds.recipe.schema import ModelConfig
 from paco_ds.models.base import DOUBLE_STREAM_ATTENTION, Condition, PackedPolicy, Part, TextEmbeds, to_uint8
 from paco_ds.models.full_size import FullSize, empty, qwen_vl_config
 from paco_ds.models.schedule import ShiftConfig, calculate_mu
+from paco_ds.models.sequence import pad_prompt
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class QwenImagePolicy(PackedPolicy):
             text, mask = text[:, :used], mask[:, :used]
             if bool(mask.all()):
                 mask = None
+        text, mask = pad_prompt(text, mask, self.sequence_degree)  # parallel.sequence: split over its ranks
         out = module(hidden_states=tokens, timestep=sigma.to(self.dtype), encoder_hidden_states=text,
                      encoder_hidden_states_mask=mask, img_shapes=[shapes] * b, return_dict=False)[0]
         return out[:, :n]

@@ -443,6 +443,15 @@ class KernelsConfig(Section):
     backend: Literal["auto", "triton", "cpp", "torch"] = "auto"
 
 
+class ParallelConfig(Section):
+    """How the ranks share one sample beside data parallelism (docs/gpu_plan.md, "Sequence parallelism")."""
+
+    # DeepSpeed-Ulysses sequence parallelism of the policy's attention (paco_ds/models/sequence.py):
+    # groups of this many consecutive ranks, each holding 1/sequence of every sample's tokens; a group
+    # samples, scores and trains the same samples (one data-parallel rank). 1: off.
+    sequence: int = Field(1, ge=1)
+
+
 class Recipe(Section):
     """A top-level recipe (GRPO or reward SFT): where it came from, its run's name, seed and
     directory. Subclasses give `run_name` their own default."""
@@ -487,6 +496,7 @@ class Config(Recipe):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     reward_servers: ServersConfig | None = None  # judge servers the run starts and stops itself
     cluster: ClusterConfig | None = None  # launch/cluster.py: where the judges run in a multi-node run
 

@@ -20,10 +20,30 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    # parallel.sequence: N consecutive ranks hold one sample's tokens between them (a sequence group,
+    # paco_ds/runtime/sequence.py) and sample, score and train the same samples: to the data they are
+    # one data-parallel rank
+    sequence: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's sequence group: the data-parallel rank whose samples it holds a share of."""
+        return self.rank // self.sequence
+
+    @property
+    def data_world(self) -> int:
+        """The number of sequence groups: the data-parallel world size."""
+        return self.world_size // self.sequence
+
+    @property
+    def scores(self) -> bool:
+        """Whether this rank scores and reports its group's samples (the group's first rank: the
+        others hold the same images)."""
+        return self.rank % self.sequence == 0
 
 
 def _cpu_only() -> bool:

@@ -113,10 +113,19 @@ def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_fo
     assert plan.memory["sampling"]["text encoders"] > 40 * GiB and plan.memory["training"]["text encoders"] == 0
 
 
-def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why():
-    from paco_ds.gpu_plan.plan import verdict
+def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_names_the_sequence_parallel_degree_that_does():
+    """The plan as --dry-run --gpu-memory prints it (print_plan): FLUX.1 at 1024 px does not fit on 8 x 80 GiB
+    for its training activations; the verdict names checkpointing and, planned again as one rank of a
+    sequence group (gpu_plan/sequence.py), the smallest parallel.sequence that fits without it."""
+    import re
 
-    plan = _plan("flux_t2is.yaml", T2IS_DATA + ["train.resolution=1024", "sample.ode_steps=3"])
+    from paco_ds.gpu_plan import print_plan
+    from paco_ds.gpu_plan.plan import verdict
+    from paco_ds.grpo.plan import load_config
+
+    printed = []
+    cfg = load_config(REPO / "configs" / "flux_t2is.yaml", T2IS_DATA + ["train.resolution=1024", "sample.ode_steps=3"])
+    plan = print_plan(cfg, 8, 80, log=printed.append)
     assert plan.image_size == (1024, 1024)
     assert not plan.fits
     # the ODE tail after the SDE step at 1, [2, 10), in 3 steps: 5 transformer calls per image, not 10
@@ -125,6 +134,17 @@ def test_flux_at_1024_without_gradient_checkpointing_does_not_fit_and_says_why()
     text = verdict(plan)
     assert "training" in text and "model.gradient_checkpointing: true" in text
     assert max(plan.memory["training"], key=plan.memory["training"].get) == "activations"
+    # 24 heads, 4096 image and 512 prompt tokens: 2 is the first degree tried, and its plan fits
+    assert printed[0] == "(planning parallel.sequence=2 without gradient checkpointing)"
+    sharded = re.search(r"parallel.sequence: 2 fits without gradient checkpointing \(training ([\d.]+) GiB per rank, "
+                        r"activations ([\d.]+); each rank's all-to-alls and gathers ([\d.]+) GiB per trained micro-step\); "
+                        r"gradient checkpointing instead recomputes about one transformer forward per trained step "
+                        r"\(\+([\d.]+) TFLOPs per image in training", text)
+    assert sharded, text
+    training, activations, exchanged, recompute = map(float, sharded.groups())
+    assert training <= 80 and activations < plan.memory["training"]["activations"] / 2 ** 30 / 2
+    assert exchanged > 1 and recompute == round(plan.flops_detail["transformer_forward"] / 1e12, 1)
+    assert f"verdict: {text}" in printed[-1]
 
 
 def test_a_host_tensor_in_the_sde_steps_inputs_is_caught_on_the_real_path(monkeypatch):

@@ -44,6 +44,10 @@ class Loss:
     # at the epoch's first micro-step is also logged, as train/<name>_first.
     headline: dict[str, str] = {}
     first_of_epoch: tuple[str, ...] = ()
+    # Whether a micro-step gathers rows from every rank (DGPO's group statistics): under
+    # parallel.sequence the ranks of a group hold the same samples, which such a gather would count
+    # once per rank, so preflight refuses the pair.
+    gathers_across_ranks = False
 
     def __init__(self, cfg: Config, policy: Policy):
         self.cfg, self.policy = cfg, policy

@@ -137,6 +137,7 @@ class DGPO(Loss):
     section = DGPOConfig
     headline = {"dgpo_weight": ".3f", "dgpo_group_coverage": ".2f"}
     needs = RolloutNeeds(log_probs=False, clean_latents=True)
+    gathers_across_ranks = True  # every rank's (group, term) rows of a micro-step (_gather)
 
     def __init__(self, cfg: Config, policy: Policy):
         super().__init__(cfg, policy)
