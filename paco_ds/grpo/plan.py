@@ -203,13 +203,24 @@ def loss_line(cfg: Config) -> str:
     return f"{cfg.train.loss}" + (f" ({settings})" if settings else "") + f"; {common}"
 
 
+def placement_line(cfg: Config, trainers: int) -> str:
+    """Who samples: every rank between its training phases, or (rollout.mode: async) sampler ranks of their own."""
+    r = cfg.rollout
+    if r.mode != "async":
+        return "colocated: every rank samples, then every rank trains"
+    return (f"async: {r.samplers} sampler rank(s) after the {trainers} trainer rank(s) (world size above), a sample "
+            f"at most {r.max_staleness} adapter version(s) older than its epoch's training start, decoupled PPO "
+            f"(behaviour weight capped at {r.behaviour_weight_cap:g}), scoring {r.scoring.replace('_', ' ')}")
+
+
 def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unjudged: list[str] = ()) -> str:
     rows = [
         ("recipe", cfg.source),
         ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
         ("LoRA targets", ", ".join(cfg.model.lora.target_modules or [])),
         ("train prompts", n_train), ("test prompts", n_test if n_test is not None else "-"),
-        ("world size", plan.world_size), ("group size k", plan.group_size),
+        ("world size", plan.world_size), ("rollouts", placement_line(cfg, plan.world_size)),
+        ("group size k", plan.group_size),
         ("prompts per epoch m", f"{plan.prompts_per_epoch} (asked {cfg.sample.prompts_per_epoch})"),
         ("samples per epoch", plan.samples_per_epoch), ("samples per rank", plan.samples_per_rank),
         ("loss", loss_line(cfg)),
