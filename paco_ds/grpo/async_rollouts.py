@@ -40,7 +40,7 @@ arXiv 2110.00641; AReaL's asynchronous RL, arXiv 2505.24298): the clipped ratio 
 pi_theta / pi_prox, where pi_prox is the adapter the epoch's training starts from, and each
 sample's term is weighted by pi_prox / pi_behaviour, whose denominator is the sampler's stored
 log-probs, truncated at `rollout.behaviour_weight_cap` as verl's rollout correction truncates its
-importance weights (verl docs/algo/rollout_correction.md, `rollout_is_threshold`). log pi_prox
+importance weights (verl's "Rollout Correction" documentation, `rollout_is_threshold`). log pi_prox
 costs one forward without grad per trained step of a stale sample, before the epoch's first
 optimizer step; a sample sampled with pi_prox itself needs none (its weight is 1). With
 max_staleness 0 no sample is stale: the epoch trains exactly what a colocated run of T ranks trains.
@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -239,6 +240,18 @@ class Exchange:
         return rec["reason"] if rec else None
 
 
+def allowed_version(trainers: dict | None, versions: list[int], epoch: int, steps_per_epoch: int,
+                    max_staleness: int) -> int | None:
+    """The newest published adapter version (`versions`, sorted) if `epoch` may be sampled with it, else
+    None: at least start(epoch) - max_staleness, where start(epoch) is the version the trainers announced
+    (`trainers`: the epoch they train next and the version they start it from) plus `steps_per_epoch`
+    for each epoch after that one; unknown (None) while the trainers have not announced a version."""
+    if trainers is None or not versions or trainers["epoch_start_version"] is None:
+        return None
+    start = trainers["epoch_start_version"] + max(epoch - trainers["epoch"], 0) * steps_per_epoch
+    return versions[-1] if versions[-1] >= start - max_staleness else None
+
+
 def process_record() -> dict:
     """Who a process is, so that another can tell whether it still runs (pid and start time on a host)."""
     from paco_ds.runtime import processes
@@ -284,7 +297,7 @@ class AsyncRollouts:
         self.named = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.failures = 0  # reward failures the samplers counted on this rank's batches, as RewardRunner.failures
         self.samplers: dict[int, dict] = {}  # sampler index -> its process record (from its hello)
-        self._stop_watch = None
+        self._ended = threading.Event()  # the trainers' fit is over: a sampler that ends now is no fault
         if dist.is_main:
             self.exchange.reset()
 
@@ -323,17 +336,25 @@ class AsyncRollouts:
 
     def end(self, error: BaseException | None) -> None:
         """How the trainers ended, for the samplers (rank 0): they stop with the run."""
+        import sys
+
+        from paco_ds.runtime import stopping
         from paco_ds.runtime.stopping import Preempted
 
+        self._ended.set()
         if self.dist.is_main:
             status = "finished" if error is None else "preempted" if isinstance(error, Preempted) else "stopped"
             self.exchange.end(status)
+            control = stopping.current()
+            dead = self._dead_sampler() if error is not None else None
+            if dead is not None and (control is None or dead not in (control.reason or "")):
+                # the launcher stopped the trainers first (it saw the sampler end): the cause, in one line
+                print(f"train: error: {dead}; the run stopped", file=sys.stderr, flush=True)
 
     def _watch_for_stop(self) -> None:
-        """A sampler asked to save and stop (checkpoint.save_on_sigterm) has nothing to save: it asks the
-        trainers, whose stop handling then saves as on their own SIGTERM."""
-        import threading
-
+        """Rank 0, in a thread: a sampler asked to save and stop (checkpoint.save_on_sigterm) has nothing
+        to save, so it asks the trainers, whose stop handling then saves as on their own SIGTERM; a sampler
+        of this host that ended stops the trainers the same way, its end named as the reason."""
         from paco_ds.runtime import stopping
 
         control = stopping.current()
@@ -341,15 +362,13 @@ class AsyncRollouts:
             return
 
         def watch() -> None:
-            while not control.requested:
-                reason = self.exchange.stop_asked()
-                if reason is not None:
+            while not control.requested and not self._ended.wait(0.25):
+                reason = self.exchange.stop_asked() or self._dead_sampler()
+                if reason is not None and not self._ended.is_set():
                     control.request_stop(reason)
                     return
-                time.sleep(0.25)
 
-        self._stop_watch = threading.Thread(target=watch, name="paco-async-stop", daemon=True)
-        self._stop_watch.start()
+        threading.Thread(target=watch, name="paco-async-stop", daemon=True).start()
 
     # ---------------------------------------------------------------- an epoch
     def take_epoch(self, epoch: int, version: int, stop_asked) -> tuple[Taken | None, dict]:
@@ -360,17 +379,12 @@ class AsyncRollouts:
         from paco_ds.runtime.distributed import all_reduce_max
 
         t0 = time.perf_counter()
-        try:
-            while True:
-                mine = all(self.exchange.batch_path(epoch, self.dist.rank, b).is_file() for b in range(self.batches))
-                self._check_samplers(epoch)
-                state = all_reduce_max(2.0 if stop_asked() else 0.0 if mine else 1.0)
-                if state != 1.0:
-                    break
-                time.sleep(POLL_S)
-        except SystemExit:
-            self._check_samplers(epoch, raise_=False)  # the launcher stopped us: say why, when a sampler died
-            raise
+        while True:
+            mine = all(self.exchange.batch_path(epoch, self.dist.rank, b).is_file() for b in range(self.batches))
+            state = all_reduce_max(2.0 if stop_asked() else 0.0 if mine else 1.0)
+            if state != 1.0:
+                break
+            time.sleep(POLL_S)
         waited = time.perf_counter() - t0
         if state == 2.0:
             return None, {}
@@ -384,20 +398,13 @@ class AsyncRollouts:
         taken.failures = self.failures
         return taken, {"async/trainer_wait_s": waited}
 
-    def _check_samplers(self, epoch: int, raise_: bool = True) -> None:
-        """Rank 0, while it waits: a sampler of this host that has ended is named in one line."""
+    def _dead_sampler(self) -> str | None:
+        """Rank 0: a sampler of this host that has ended, named (its own output says why it ended)."""
         dead = [(j, rec) for j, rec in sorted(self.samplers.items()) if gone(rec)]
         if not dead:
-            return
+            return None
         j, rec = dead[0]
-        msg = (f"rollout sampler {j} (rank {rec.get('rank')}, pid {rec['pid']}) ended "
-               f"while the trainers waited for its rollouts of epoch {epoch}; its own output says why")
-        if raise_:
-            raise RolloutPeerLost(msg)
-        import sys
-
-        print(f"train: error: {msg}", file=sys.stderr, flush=True)
-        self.samplers = {}
+        return f"rollout sampler {j} (rank {rec.get('rank')}, pid {rec['pid']}) ended"
 
     def correct(self, taken: Taken, version: int) -> tuple[list, list[dict], dict]:
         """The epoch's trajectories ready to train from `version`, their reward results (a batch past

@@ -29,7 +29,8 @@ import torch
 
 from paco_ds.data import KRepeatSampler
 from paco_ds.grpo import build
-from paco_ds.grpo.async_rollouts import POLL_S, Exchange, RolloutPeerLost, Role, gone, new_nonce, process_record
+from paco_ds.grpo.async_rollouts import (POLL_S, Exchange, RolloutPeerLost, Role, allowed_version, gone, new_nonce,
+                                         process_record)
 from paco_ds.grpo.epoch import rank_batch_picks
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
@@ -177,13 +178,9 @@ class Sampler:
 
     # ---------------------------------------------------------------- versions
     def allowed(self, epoch: int) -> int | None:
-        """The newest published adapter version, if `epoch` may be sampled with it: at least the version
-        the epoch's training starts from minus max_staleness; None while it must wait."""
-        trainers, versions = self.exchange.trainers(), self.exchange.adapter_versions()
-        if trainers is None or not versions or trainers["epoch_start_version"] is None:
-            return None
-        start = trainers["epoch_start_version"] + (epoch - trainers["epoch"]) * self.plan.optimizer_steps_per_epoch
-        return versions[-1] if versions[-1] >= start - self.k else None
+        """The newest published adapter version if `epoch` may be sampled with it, else None (wait)."""
+        return allowed_version(self.exchange.trainers(), self.exchange.adapter_versions(), epoch,
+                               self.plan.optimizer_steps_per_epoch, self.k)
 
     def await_version(self, epoch: int) -> float | None:
         """Wait until `epoch` may be sampled and load the newest adapter; the seconds waited, or None when
