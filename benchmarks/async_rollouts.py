@@ -16,6 +16,10 @@ version; and the reward curve (reward/combined/mean per epoch). Across seeds: me
 standard deviation). Writes benchmarks/results/async_rollouts_cpu.json (command, machine, commit, load).
 
     python benchmarks/async_rollouts.py --epochs 6 --seeds 1 2 3
+    python benchmarks/async_rollouts.py --epochs 6 --seeds 3 --add-to benchmarks/results/async_rollouts_cpu.json
+
+The report is written after every run, so a benchmark stopped part-way keeps what it measured, and
+--add-to continues it (its earlier commands and machines are kept in "earlier").
 """
 from __future__ import annotations
 
@@ -69,8 +73,9 @@ def run(out: Path, name: str, sets: list[str], seed: int, epochs: int, nproc: in
 
 
 def spread(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
+    # one seed has no spread: None, not 0
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+            "n": len(values), "values": values}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -85,17 +90,22 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def _pm(v: dict, width: int, digits: int) -> str:
+    std = "-" if v["std"] is None else f"{v['std']:.{digits}f}"
+    return f"{v['mean']:>{width}.{digits}f} ± {std:<{digits + 2}}"
+
+
 def table(s: dict) -> str:
     head = (f"{'setting':<26} {'images/s':>14} {'trainer wait s/epoch':>21} {'sampler wait s/epoch':>21} "
             f"{'staleness':>9} {'reward first -> last (gain)':>34}")
     lines = [head]
     for name, v in s.items():
-        curve = v["reward_curve"]
-        lines.append(f"{name:<26} {v['images_per_sec']['mean']:>7.3f} ± {v['images_per_sec']['std']:<5.3f}"
-                     f"{v['trainer_wait_s_per_epoch']['mean']:>13.2f} ± {v['trainer_wait_s_per_epoch']['std']:<5.2f}"
-                     f"{v['sampler_wait_s_per_epoch']['mean']:>13.2f} ± {v['sampler_wait_s_per_epoch']['std']:<5.2f}"
-                     f"{v['staleness_mean']['mean']:>9.2f}   {curve[0]['mean']:.3f} -> {curve[-1]['mean']:.3f} "
-                     f"({v['reward_gain']['mean']:+.3f} ± {v['reward_gain']['std']:.3f})")
+        curve, gain = v["reward_curve"], v["reward_gain"]
+        gain_std = "-" if gain["std"] is None else f"{gain['std']:.3f}"
+        lines.append(f"{name:<26} {_pm(v['images_per_sec'], 7, 3)}{_pm(v['trainer_wait_s_per_epoch'], 13, 2)}"
+                     f"{_pm(v['sampler_wait_s_per_epoch'], 13, 2)}{v['staleness_mean']['mean']:>9.2f}   "
+                     f"{curve[0]['mean']:.3f} -> {curve[-1]['mean']:.3f} ({gain['mean']:+.3f} ± {gain_std}, "
+                     f"{gain['n']} seed(s))")
     return "\n".join(lines)
 
 
@@ -105,10 +115,29 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--nproc", type=int, default=2, help="processes per setting (async: one of them samples)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--add-to", type=Path, help="an earlier report of this benchmark (the same --epochs and --nproc): "
+                   "its runs are kept and this command's added, e.g. more seeds after a benchmark stopped part-way")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     started, source = machine(), git_state(REPO)
-    runs, port = [], 29900
+    runs, earlier = [], []
+    if args.add_to:
+        before = json.loads(args.add_to.read_text())
+        if (before["epochs"], before["nproc"]) != (args.epochs, args.nproc):
+            raise SystemExit(f"--add-to {args.add_to}: its runs have --epochs {before['epochs']} --nproc "
+                             f"{before['nproc']}, not {args.epochs} and {args.nproc}")
+        runs = before["runs"]
+        earlier = before.get("earlier", []) + [{k: before[k] for k in ("command", "date", "machine", "source")}]
+    settings = {**(before["settings"] if args.add_to else {}), **{n: SETTINGS[n] for n in args.settings}}
+
+    def report() -> Path:
+        # written after every run, so a long benchmark stopped part-way keeps what it measured
+        return write_report("async_rollouts_cpu", {"source": source, "epochs": args.epochs, "nproc": args.nproc,
+                                                   "settings": settings, "earlier": earlier, "summary": summary(runs),
+                                                   "runs": runs, "load_average_at_end": os.getloadavg()},
+                            args.out, started)
+
+    port = 29900
     with tempfile.TemporaryDirectory(prefix="paco_async_bench_") as tmp:
         for seed in args.seeds:
             for name in args.settings:
@@ -116,12 +145,8 @@ def main(argv=None) -> None:
                 runs.append(run(Path(tmp), name, SETTINGS[name], seed, args.epochs, args.nproc, port))
                 print(f"{name} seed {seed}: {runs[-1]['images_per_sec']:.3f} images/s, load "
                       f"{runs[-1]['load_before']:.1f} -> {runs[-1]['load_after']:.1f}", flush=True)
-    s = summary(runs)
-    print(table(s))
-    path = write_report("async_rollouts_cpu", {"source": source, "epochs": args.epochs, "nproc": args.nproc,
-                                               "settings": {n: SETTINGS[n] for n in args.settings},
-                                               "summary": s, "runs": runs,
-                                               "load_average_at_end": os.getloadavg()}, args.out, started)
+                path = report()
+    print(table(summary(runs)))
     print(f"wrote {path}")
 
 

@@ -189,3 +189,24 @@ def test_the_split_balances_the_two_sides_flops():
 
 
 REPO_FLUX = TINY.parents[1] / "flux_t2is.yaml"
+
+
+def test_the_cpu_benchmark_summarises_each_setting_over_its_seeds():
+    # benchmarks/async_rollouts.py: a mean and sample spread per setting; one seed has no spread (None, not 0)
+    import importlib.util
+
+    from distributed_runs import REPO
+
+    spec = importlib.util.spec_from_file_location("async_bench", REPO / "benchmarks" / "async_rollouts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = {"trainer_wait_s_per_epoch": 1.0, "sampler_wait_s_per_epoch": 0.0, "staleness_mean": 0.0}
+    runs = [{**run, "setting": "colocated", "seed": 1, "images_per_sec": 0.3, "reward": [-4.4, -4.0]},
+            {**run, "setting": "colocated", "seed": 2, "images_per_sec": 0.5, "reward": [-4.4, -4.2]},
+            {**run, "setting": "async k=1", "seed": 1, "images_per_sec": 0.4, "reward": [-4.4, -4.1]}]
+    s = bench.summary(runs)
+    assert s["colocated"]["images_per_sec"]["mean"] == pytest.approx(0.4)
+    assert s["colocated"]["images_per_sec"]["std"] == pytest.approx(0.1414, abs=1e-4)
+    assert s["colocated"]["reward_gain"]["values"] == pytest.approx([0.4, 0.2])
+    assert s["async k=1"]["reward_gain"] == {"mean": pytest.approx(0.3), "std": None, "n": 1, "values": [pytest.approx(0.3)]}
+    assert "(+0.300 ± -, 1 seed(s))" in bench.table(s)
