@@ -59,7 +59,8 @@ def git_state(root: Path) -> dict:
 
     def git(*a):
         r = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
+        # rstrip: porcelain's first line starts with a space (" M path") that strip() would eat with the path's 1st letter
+        return r.stdout.rstrip() if r.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
     status = git("status", "--porcelain")
