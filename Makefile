@@ -90,6 +90,14 @@ test-stop: setup
 test-sequence: setup
 	$(PY) -m pytest -q -m sequence --durations=5 $(SKIP_POLICY)
 
+# rollout.mode: async launched beyond the runs lane's one (tests/grpo/test_async_runs.py): staleness 1 and 2
+# with the correction, a resume from the checkpointed adapter version, a sampler killed mid-epoch. Three
+# 3-process launches, 8-10 min on 2 cores: not one of CI's lanes (tests/lanes.sh), run it for a change
+# to paco_ds/grpo/sampler.py, async_rollouts.py or the trainer's async path.
+.PHONY: test-async
+test-async: setup
+	$(PY) -m pytest -q -m async_runs --durations=5 $(SKIP_POLICY)
+
 sft-demo: setup
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --master_port 29512 launch/sft.py --config configs/tiny/reward_sft.yaml
 

@@ -53,6 +53,21 @@ def tiny_judge(**overrides) -> Iterator[str]:
             manager.stop(state_dir)
 
 
+def git_state(root: Path) -> dict:
+    """The checkout's commit and whether its tree was clean (the paths that were not)."""
+    import subprocess
+
+    def git(*a):
+        r = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
+        # rstrip: porcelain's first line starts with a space (" M path") that strip() would eat with the path's 1st letter
+        return r.stdout.rstrip() if r.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    dirty = [line[3:] for line in (status or "").splitlines()]
+    return {"root": str(root), "commit": head, "clean": head is not None and status == "", "dirty_paths": dirty}
+
+
 def write_report(name: str, report: dict, out: Path, machine_info: dict) -> Path:
     """`machine_info`: `machine()` taken when the benchmark started (the load average matters). The
     report records the commit it ran and whether the tree was clean (kernels/bench/source.py)."""

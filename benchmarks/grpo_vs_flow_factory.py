@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, RESULTS, machine, write_report  # noqa: E402  (puts the repository on sys.path)
+from _common import REPO, RESULTS, git_state, machine, write_report  # noqa: E402  (puts the repository on sys.path)
 
 SHIM = Path(__file__).resolve().parent / "flow_factory_shim.py"
 MODEL_DIR = REPO / "runs" / "grpo_vs_flow_factory"  # git-ignored; the folders are written once
@@ -154,18 +154,6 @@ def write_inputs(tmp: Path, folder: Path, args, epochs: int) -> tuple[Path, Path
     (tmp / "paco.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     (tmp / "flow_factory.yaml").write_text(yaml.safe_dump(ff, sort_keys=False))
     return tmp / "paco.yaml", tmp / "flow_factory.yaml"
-
-
-def git_state(root: Path) -> dict:
-    """The checkout's commit and whether its tree was clean (the paths that were not)."""
-    def git(*a):
-        r = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
-    dirty = [line[3:] for line in (status or "").splitlines()]
-    return {"root": str(root), "commit": head, "clean": head is not None and status == "", "dirty_paths": dirty}
 
 
 def ff_environment(ff_python: str) -> dict | None:

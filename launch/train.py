@@ -41,10 +41,12 @@ def main(argv=None):
             raise UserError(f"--world-size must be >= 1 (got {args.world_size})")
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
+            from paco_ds.grpo.async_rollouts import check_placement, trainer_world
             from paco_ds.grpo.plan import check_recipe, describe
 
             world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-            print(describe(cfg, *check_recipe(cfg, world)))
+            check_placement(cfg, world)  # rollout.mode: async: the last rollout.samplers processes sample
+            print(describe(cfg, *check_recipe(cfg, trainer_world(cfg, world))))
             if args.gpu_memory is not None:
                 from paco_ds.gpu_plan import print_plan
 

@@ -34,4 +34,9 @@ def print_plan(cfg, world_size: int, gpu_gib: float, log=print):
     if advice:
         plan.advice.append(advice)
     log(describe(plan))
+    if cfg.rollout.mode == "async" and world_size > 1:  # how many of the GPUs to sample with (docs/async.md)
+        from paco_ds.gpu_plan import async_split
+
+        recipe = async_split.split(plan, cfg, world_size, min(cfg.rollout.samplers, world_size - 1))
+        log(async_split.describe(async_split.split(plan, cfg, world_size), recipe))
     return plan

@@ -54,6 +54,7 @@ class GpuPlan:
     rollout_batch: int = 1  # sample.batch_size the pass sampled and scored with
     sequence: int = 1  # parallel.sequence the pass ran with
     advice: list[str] = field(default_factory=list)  # further plans' findings the verdict names (gpu_plan/sequence.py)
+    rollout_bytes: int = 0  # one image's rollout as training keeps it (what an async run's samplers hand over)
 
     def total(self, phase: str) -> int:
         return sum(self.memory[phase].values())
@@ -373,7 +374,20 @@ def _pass(cfg: Config, world_size: int, gpu_gib: float, sequence_mesh) -> GpuPla
                    image_size=(h, w), dtype=str(dtype).replace("torch.", ""),
                    gradient_checkpointing=cfg.model.gradient_checkpointing, params=params, memory=memory, flops=flops,
                    flops_detail=detail, counts=counts, seconds=time.perf_counter() - t0, notes=notes,
-                   rollout_batch=cfg.sample.batch_size, sequence=group)
+                   rollout_batch=cfg.sample.batch_size, sequence=group, rollout_bytes=tensor_bytes(traj) // b)
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors `obj` holds: a tensor, or a dataclass, list, tuple or dict of them."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (list, tuple)):
+        return sum(map(tensor_bytes, obj))
+    return sum(map(tensor_bytes, obj.values())) if isinstance(obj, dict) else 0
 
 
 def _park_text_encoders(mode, policy) -> None:

@@ -61,13 +61,24 @@ def adapted_policy(cfg: Config, device: torch.device, ds: dict, source=None, seq
 def rewards(cfg: Config, dist: DistInfo) -> tuple[RewardRunner, RewardRunner]:
     """The train and the test rewards; they share the reward models both use."""
     shared: dict = {}
-    ctx = {"device": str(dist.device), "run_dir": cfg.run_dir,
-           "reward_endpoints": endpoints_for_run(cfg.reward_servers, cfg.run_dir)}
-    train = RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap,
-                         cfg.rewards.batches_in_flight, **ctx)
+    ctx = reward_context(cfg, dist)
+    train = train_rewards(cfg, ctx, shared)
     test = RewardRunner(cfg.rewards.eval, "rewards.test.terms" if cfg.rewards.test else "rewards.train.terms",
                         shared, batches_in_flight=cfg.rewards.batches_in_flight, **ctx)
     return train, test
+
+
+def train_rewards(cfg: Config, context: dict, shared: dict | None = None) -> RewardRunner:
+    """The train rewards (alone: an async run's samplers score, the trainers evaluate); `context`:
+    reward_context's."""
+    return RewardRunner(cfg.rewards.train, "rewards.train.terms", shared, cfg.rewards.overlap,
+                        cfg.rewards.batches_in_flight, **context)
+
+
+def reward_context(cfg: Config, dist: DistInfo) -> dict:
+    """What a reward is built with: this process's device, the run directory, the judges' endpoints."""
+    return {"device": str(dist.device), "run_dir": cfg.run_dir,
+            "reward_endpoints": endpoints_for_run(cfg.reward_servers, cfg.run_dir)}
 
 
 def rollouts(cfg: Config, policy, loss, engine, ds: dict) -> Rollouts:

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from paco_ds.sampling.rollouts import Pick
 from paco_ds.sampling.trajectory import Trajectory, TrainingBatch, training_batch
 
 
@@ -18,6 +19,13 @@ class EpochSamples:
     advantages: list[torch.Tensor] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list)
     transformer_calls: int = 0  # rows x steps the rollouts ran the transformer for (this rank)
+    # Scored in other processes (rollout.mode: async, paco_ds/grpo/async_rollouts.py): each reward's
+    # results over the epoch, the judge's latencies, the reward failures counted so far on this rank's
+    # batches; None where this process scored its samples itself.
+    rewards: dict | None = None
+    judge_latency_s: list[float] | None = None
+    reward_failures: int | None = None
+    metrics: dict = field(default_factory=dict)  # what the epoch's sampling adds to its metrics
 
     def batch(self, entries: list[tuple[int, int]], fillers: list[bool]) -> TrainingBatch:
         """The training batch of these (rollout batch, sample) entries; a filler trains nothing
@@ -67,6 +75,12 @@ class EpochProgress:
     def missing(cls, state: dict) -> list[str]:
         """The pieces a mid-epoch checkpoint's `state` lacks, each named (an older layout)."""
         return [f"mid-epoch '{name}'" for name in cls.REQUIRED if name not in state]
+
+
+def rank_batch_picks(items: list, rank_batch, member) -> list[Pick]:
+    """The samples of one rank batch of the epoch plan (data.KRepeatSampler): each prompt item, its group,
+    its position and (`member`, by position) its leaf in its group."""
+    return [Pick(items[i], i, p, int(member[p])) for i, p in zip(rank_batch.indices, rank_batch.positions)]
 
 
 def micro_batches(pool: list[tuple[int, int]], n_micro: int, batch_size: int,

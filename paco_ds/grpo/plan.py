@@ -222,6 +222,16 @@ def _resolution(value) -> str:
     return str(value) if isinstance(value, int) else f"{value[0]}x{value[1]}"
 
 
+def placement_line(cfg: Config, trainers: int) -> str:
+    """Who samples: every rank between its training phases, or (rollout.mode: async) sampler ranks of their own."""
+    r = cfg.rollout
+    if r.mode != "async":
+        return "colocated: every rank samples, then every rank trains"
+    return (f"async: {r.samplers} sampler rank(s) after the {trainers} trainer rank(s) (world size above), a sample "
+            f"at most {r.max_staleness} adapter version(s) older than its epoch's training start, decoupled PPO "
+            f"(behaviour weight capped at {r.behaviour_weight_cap:g}), scoring {r.scoring.replace('_', ' ')}")
+
+
 def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unjudged: list[str] = (),
              video: list[str] = ()) -> str:
     rows = [
@@ -229,7 +239,8 @@ def describe(cfg: Config, plan: EpochPlan, n_train: int, n_test: int | None, unj
         ("model", f"{cfg.model.family}: " + ("tiny (offline)" if cfg.model.tiny else str(cfg.model.path))),
         ("LoRA targets", ", ".join(cfg.model.lora.target_modules or [])),
         ("train prompts", n_train), ("test prompts", n_test if n_test is not None else "-"),
-        ("world size", plan.world_size * cfg.parallel.sequence), ("group size k", plan.group_size),
+        ("world size", plan.world_size * cfg.parallel.sequence),
+        ("rollouts", placement_line(cfg, plan.world_size * cfg.parallel.sequence)), ("group size k", plan.group_size),
         *((("sequence parallel", f"parallel.sequence={cfg.parallel.sequence}: {plan.world_size} groups of "
             f"{cfg.parallel.sequence} ranks, each rank holding 1/{cfg.parallel.sequence} of a sample's tokens; "
             "a group samples and trains its samples together (per rank below: per group)"),)

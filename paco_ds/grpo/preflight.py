@@ -241,6 +241,13 @@ def check_tree(cfg: Config) -> None:
                           "gathering is a collective in every forward, and ranks compute different numbers of nodes)")
 
 
+def check_async_rollouts(cfg: Config) -> None:
+    """rollout.mode: async trains what its off-policy correction applies to (paco_ds/grpo/async_rollouts.py)."""
+    from paco_ds.grpo.async_rollouts import check_recipe
+
+    check_recipe(cfg)
+
+
 def check_attention(cfg: Config) -> None:
     """model.attention_backend: a backend diffusers knows, installed, for a family whose attention
     dispatches (its device is checked by the training processes, paco_ds/grpo/run.py)."""
@@ -333,6 +340,7 @@ def preflight(cfg: Config, train_items: list, test_items: list | None) -> None:
     check_deepspeed_config(cfg)
     check_compile(cfg)
     check_tree(cfg)
+    check_async_rollouts(cfg)
     check_attention(cfg)
     check_sequence_length(cfg)
     check_sequence_parallel(cfg, train_items, test_items)

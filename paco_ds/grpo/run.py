@@ -23,6 +23,8 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     startup.mark("imports")
     # First: a stop (a signal, or the launcher's end) must reach a rank however far it got.
     stopping.install(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.sigterm_grace_s)
+    if cfg.rollout.mode == "async" and _async_sampler(cfg):  # the launch's last ranks sample, in no process group
+        return
     dist = setup_distributed()
     startup.mark("process_group")
     logging.getLogger("paco_ds").setLevel(logging.INFO if dist.is_main else logging.WARNING)
@@ -48,6 +50,24 @@ def run(cfg: Config, resume: str | Path | None = None, export_only: str | Path |
     servers = started_for_run(cfg.reward_servers, cfg.run_dir, dist.local_rank, sleep_mode=colocate, background=True)
     fit_in_run_dir(cfg.run_dir, dist.is_main, lambda: GRPOTrainer(cfg, dist, servers.ready), resume, servers)
     shutdown_distributed()
+
+
+def _async_sampler(cfg: Config) -> bool:
+    """rollout.mode: async (paco_ds/grpo/async_rollouts.py): a sampler rank runs its sampler here (True);
+    a trainer rank's world becomes the trainers' alone, whose ZeRO-3 the samplers never join."""
+    import os
+
+    from paco_ds.grpo.async_rollouts import check_placement, role_of
+
+    role = role_of(cfg, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    check_placement(cfg, role.launch_world)
+    if role.is_sampler:
+        from paco_ds.grpo.sampler import run_sampler
+
+        run_sampler(cfg, role)
+        return True
+    os.environ["WORLD_SIZE"] = str(role.trainers)
+    return False
 
 
 def check_device_choices(cfg: Config, device) -> None:

@@ -37,17 +37,17 @@ from paco_ds.runtime.sequence import group_loss, grouped, sequence_mesh
 from paco_ds.errors import ConfigError
 from paco_ds.grpo import build
 from paco_ds.grpo.advantages import EpochRewards, StatTracker, judge_latency_metrics
+from paco_ds.grpo.async_rollouts import AsyncRollouts
 from paco_ds.sampling.tree import group_members, tree_advantages
 from paco_ds.grpo.ema import EMA
 # EpochSamples: mid-epoch checkpoints written before it moved to epoch.py pickle it under this module.
-from paco_ds.grpo.epoch import EpochProgress, EpochSamples, epoch_line, micro_batches
+from paco_ds.grpo.epoch import EpochProgress, EpochSamples, epoch_line, micro_batches, rank_batch_picks
 from paco_ds.grpo.export import export_adapter
 from paco_ds.models.compile import compile_counters
 from paco_ds.grpo.guards import NonfiniteGuard
 from paco_ds.grpo.losses import build_loss
 from paco_ds.grpo.plan import derive
 from paco_ds.grpo.preemption import Preemption
-from paco_ds.sampling.rollouts import Pick
 from paco_ds.images import is_video, make_grid, make_video_grid, to_media
 from paco_ds.runtime.metrics import MetricsLogger, own_wandb_run
 from paco_ds.recipe.loader import recipe_to_yaml
@@ -94,6 +94,10 @@ class GRPOTrainer:
         self.tracker = StatTracker(cfg.advantage, cfg.rewards.train.aggregation, self.train_rewards.weights,
                                    backend=cfg.kernels.backend)
         self.rollouts = build.rollouts(cfg, self.policy, self.loss, self.engine, self.ds_config)
+        # rollout.mode: async: sampler ranks sample and score, these ranks train (paco_ds/grpo/async_rollouts.py)
+        self.async_rollouts = AsyncRollouts(cfg, dist, self.plan, self.policy, self.rollouts, self.loss,
+                                            zero3=zero_stage(self.ds_config) == 3) \
+            if cfg.rollout.mode == "async" else None
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last, dist.rank, dist.world_size)
         self.preemption = Preemption(self.ckpt, self.engine, self.trainable, self.loss, self.state, self._meta,
                                      zero3=zero_stage(self.ds_config) == 3, device=dist.device, run_dir=self.run_dir,
@@ -127,6 +131,8 @@ class GRPOTrainer:
         if self.dist.is_main:
             log.info("start-up: %s", startup.summary())
         self._startup = {f"time/startup/{k}": v for k, v in startup.marks().items()}
+        if self.async_rollouts is not None:  # the samplers start from this adapter, at this epoch (or the next)
+            self.async_rollouts.start(self.epoch, self.global_step, within_epoch=self._progress is not None)
         while self.epoch < self.cfg.train.num_epochs:
             self.run_epoch(resumed)
             resumed = False
@@ -159,6 +165,7 @@ class GRPOTrainer:
             metrics["sample/transformer_calls"] = \
                 float(sum(all_gather_object(samples.transformer_calls))) / self.dist.sequence
             self.policy.park_text_encoders(True)  # off the GPU until a prompt is encoded (Rollouts.encoded)
+            metrics |= samples.metrics
             metrics |= self.score_epoch(samples)
             t_reward = time.perf_counter() - t0 - t_sample
             metrics["time/reward_busy"] = self.train_rewards.busy_seconds - busy
@@ -184,6 +191,8 @@ class GRPOTrainer:
         self.logger.log(metrics, step=self.epoch)
         self._print_epoch(metrics)
         self.epoch += 1
+        if self.async_rollouts is not None:  # the version the next epoch trains from: the samplers' bound
+            self.async_rollouts.epoch_done(self.epoch, self.global_step)
 
     def flops_per_image(self) -> float | None:
         """Model FLOPs per trained image: its rollout, and its share of the epoch's micro-steps (each
@@ -231,14 +240,16 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------ 1. sample
     def sample_epoch(self) -> EpochSamples:
+        if self.async_rollouts is not None:
+            return self._take_rollouts()
         cfg, out = self.cfg, EpochSamples()
         batches = self.sampler.rank_batches(self.epoch)
         member = group_members(self.sampler.epoch_plan(self.epoch).numpy())  # each position's leaf in its group
         calls = self.rollouts.transformer_calls
         with self.loss.sampling(), self.rollouts.module() as module:
             for rb in tqdm(batches, desc=f"epoch {self.epoch} sample", disable=not self.dist.is_main, leave=False):
-                picks = [Pick(self.train_items[i], i, p, int(member[p])) for i, p in zip(rb.indices, rb.positions)]
-                for (h, w), picks in self.rollouts.by_size(picks, cfg.train.resolution):
+                for (h, w), picks in self.rollouts.by_size(rank_batch_picks(self.train_items, rb, member),
+                                                           cfg.train.resolution):
                     if self.sample_flops_per_image is None:  # counted once, on the run's own code path
                         with counting() as count:
                             traj = self.rollouts.sample(module, picks, h, w, self.epoch)
@@ -259,9 +270,24 @@ class GRPOTrainer:
         out.transformer_calls = self.rollouts.transformer_calls - calls
         return out
 
+    def _take_rollouts(self) -> EpochSamples:
+        """rollout.mode: async: this rank's rollouts of the epoch as the sampler ranks scored them, those
+        past rollout.max_staleness dropped, the stale ones corrected (paco_ds/grpo/async_rollouts.py)."""
+        from paco_ds.rewards.runner import concat_results
+
+        taken, metrics = self.async_rollouts.take_epoch(self.epoch, self.global_step, stopping.saving_requested)
+        if taken is None:  # a stop was asked while the trainers waited: the epoch's start is saved here
+            self.preemption.check(self.epoch)
+            raise RuntimeError("the trainers stopped waiting for rollouts, and no rank was asked to stop")
+        trajs, results, more = self.async_rollouts.correct(taken, self.global_step)
+        self.loss.sde_logprob_rows += taken.sde_logprob_rows  # sampling's, as a colocated epoch counts them
+        rewards = {name: concat_results([r[name] for r in results]) for name in results[0]}
+        return EpochSamples(trajs, transformer_calls=taken.transformer_calls, rewards=rewards,
+                            judge_latency_s=taken.latencies, reward_failures=taken.failures, metrics=metrics | more)
+
     # ------------------------------------------------------------------------------------ 2-3. reward, advantage
     def score_epoch(self, samples: EpochSamples) -> dict:
-        results = self.train_rewards.collect()
+        results = samples.rewards if samples.rewards is not None else self.train_rewards.collect()
         trajs = samples.trajectories
         rewards = EpochRewards.gather(
             positions=np.array([p for t in trajs for p in t.positions], dtype=np.int64),
@@ -270,7 +296,8 @@ class GRPOTrainer:
             valid=np.logical_and.reduce([r.valid | ~r.applicable for r in results.values()]),
             scores={name: r.scores for name, r in results.items()},
             parts=part_scores(results),  # e.g. consistency_for_editing's consistency and following
-            latency_s=self.train_rewards.take_latencies(),  # this epoch's judge requests, evaluation's included
+            # this epoch's judge requests, evaluation's included (and the samplers', rollout.mode: async)
+            latency_s=self.train_rewards.take_latencies() + (samples.judge_latency_s or []),
             applicable={name: r.applicable for name, r in results.items()}, scored=self.dist.scores)
         adv = self.tracker.compute(rewards.scores, rewards.groups, rewards.valid, device=self.dist.device,
                                    applicable=rewards.applicable)
@@ -289,7 +316,8 @@ class GRPOTrainer:
             for d in range(per_step.shape[1]):
                 metrics[f"adv/tree_depth{d + 1}_abs_mean"] = float(np.abs(per_step[adv.keep, d]).mean()) \
                     if adv.keep.any() else 0.0
-        metrics["reward/failures"] = float(sum(all_gather_object(self.train_rewards.failures)))
+        failures = self.train_rewards.failures if samples.reward_failures is None else samples.reward_failures
+        metrics["reward/failures"] = float(sum(all_gather_object(failures)))
         metrics |= judge_latency_metrics(rewards.latency_s)
         if self.dist.is_main and self.cfg.logging.num_train_images:
             n = self.cfg.logging.num_train_images
@@ -364,6 +392,8 @@ class GRPOTrainer:
             if self.ema is not None:
                 self.ema.step(self.global_step)
             self.loss.after_optimizer_step(self.global_step)
+            if self.async_rollouts is not None:  # the samplers take it up between rollout batches
+                self.async_rollouts.publish(self.global_step)
             norm = self.engine.get_global_grad_norm()
             if norm is not None:
                 self.guard.grad_norm(float(norm), self.global_step, out)
@@ -415,7 +445,8 @@ class GRPOTrainer:
         from paco_ds.grpo.preflight import resume_settings
 
         return {"epoch": self.epoch, "global_step": self.global_step, "run_name": self.cfg.run_name,
-                "recipe": resume_settings(self.cfg), "wandb_run_id": self.wandb_run_id}
+                "recipe": resume_settings(self.cfg), "wandb_run_id": self.wandb_run_id,
+                "adapter_version": self.global_step}  # the version an async run's samplers restart from
 
     def save(self) -> Path:
         path = self.ckpt.save(self.engine, f"epoch_{self.epoch:04d}", self.state(), self._meta())
@@ -463,6 +494,8 @@ class GRPOTrainer:
 
     def close(self, error: BaseException | None = None) -> None:
         """After the fit, however it ended (`error`: what ended it; None when it finished)."""
+        if self.async_rollouts is not None:  # the samplers end with the trainers
+            self.async_rollouts.end(error)
         self.train_rewards.close()
         self.eval_rewards.close()
         if self.logger is not None:

@@ -135,6 +135,13 @@ class Placement:
     def master_host(self) -> str:
         return next(h for h, s in self.trainer_slots.items() if s)
 
+    def last_ranks(self, n: int) -> str:
+        """The slots of the launch's last `n` ranks (rollout.mode: async's samplers), as host:slot,slot
+        joined with @: DeepSpeed numbers the ranks host after host in the hostfile's order."""
+        ranks = [(h, slot) for h, slots in self.trainer_slots.items() for slot in slots][-n:]
+        hosts = dict.fromkeys(h for h, _ in ranks)
+        return "@".join(f"{h}:{','.join(str(slot) for hh, slot in ranks if hh == h)}" for h in hosts)
+
 
 def place(hosts: dict[str, int], cluster: ClusterConfig, hostfile: str = "hostfile") -> Placement:
     """Judges and trainer slots for a hostfile; a judge on an unknown host, on a GPU its host does
@@ -640,10 +647,13 @@ def train_arguments(config: str, overrides: list[str], resume: str | None) -> li
 
 
 def describe_plan(p: Placement, hostfile: Path, servers, cluster: ClusterConfig, argv: list[str],
-                  env: dict[str, str], bind: dict[str, str]) -> str:
+                  env: dict[str, str], bind: dict[str, str], samplers: int = 0) -> str:
     lines = [f"hostfile      {hostfile}: " + ", ".join(f"{h} slots={n}" for h, n in p.hosts.items()),
              f"trainers      world size {p.world_size}: --include {p.include}"
              + ("  (colocated with the judges)" if p.colocate else "")]
+    if samplers:  # rollout.mode: async (docs/async.md)
+        lines.append(f"samplers      the last {samplers} rank(s), on {p.last_ranks(samplers)}; the other "
+                     f"{p.world_size - samplers} train")
     for j in p.judges:
         lines.append(f"judge         {j.host}: gpus {','.join(map(str, j.gpus)) or '-'} -> "
                      f"http://{bind[j.host]}:{j.port}/v1 ({servers.engine})")
@@ -702,7 +712,11 @@ def run(cfg, hosts: dict[str, int], hostfile: Path, config: str, overrides: list
         if cfg.reward_servers is None:
             raise ConfigError("cluster: judges are placed but the recipe has no reward_servers section to serve")
     p = place(hosts, cluster, str(hostfile))
-    plan = check_recipe(cfg, p.world_size)  # m rounded for the world size; errors name the keys
+    from paco_ds.grpo.async_rollouts import check_placement, trainer_world
+
+    check_placement(cfg, p.world_size)  # rollout.mode: async: the last rollout.samplers ranks sample
+    samplers = p.world_size - trainer_world(cfg, p.world_size)
+    plan = check_recipe(cfg, p.world_size - samplers)  # m rounded for the trainers; errors name the keys
     bind = {h: resolve(h, strict=not dry_run) for h in hosts}
     if p.judges and not dry_run:
         ensure_token(cfg.reward_servers.api_key_env)
@@ -710,7 +724,7 @@ def run(cfg, hosts: dict[str, int], hostfile: Path, config: str, overrides: list
     argv = deepspeed_argv(p, Path(hostfile).resolve(), train_arguments(config, overrides, resume), master_port,
                           cluster.ssh_port, bind)
     if dry_run:
-        log(describe_plan(p, Path(hostfile), cfg.reward_servers, cluster, argv, env, bind))
+        log(describe_plan(p, Path(hostfile), cfg.reward_servers, cluster, argv, env, bind, samplers))
         log("")
         log(describe(cfg, *plan))
         if gpu_memory is not None:  # per trainer rank, with the judges placed as this run places them

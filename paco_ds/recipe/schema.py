@@ -345,6 +345,23 @@ class ClusterConfig(Section):
         return self
 
 
+class RolloutConfig(Section):
+    """Where rollouts are sampled (docs/async.md). `colocated`: every rank samples, then every rank
+    trains. `async`: the last `samplers` ranks of the launch only sample and score, the others only
+    train (ZeRO-3 among themselves), each side at its own pace; a trained sample is at most
+    `max_staleness` adapter versions (optimizer steps) older than the adapter its epoch's training
+    starts from, and the loss corrects for the gap (decoupled PPO, `behaviour_weight_cap`)."""
+
+    mode: Literal["colocated", "async"] = "colocated"
+    samplers: int = Field(1, ge=1)  # async: ranks (the launch's last ones) that sample
+    max_staleness: int = Field(1, ge=0)  # async: 0 samples each epoch with the adapter that trains it
+    # async: the truncation of the behaviour weight pi_prox / pi_behaviour (verl's rollout_is_threshold)
+    behaviour_weight_cap: float = Field(2.0, ge=1)
+    # async: each rollout batch goes to the rewards as it finishes (streamed), or an epoch's batches
+    # once the sampler has sampled them all (after_sampling: the reference's order)
+    scoring: Literal["streamed", "after_sampling"] = "streamed"
+
+
 class AdvantageConfig(Section):
     method: Literal["grpo", "rank_grpo"] = "grpo"
     global_std: bool = True
@@ -492,6 +509,7 @@ class Config(Recipe):
     test: EvalConfig = Field(default_factory=EvalConfig)
     rewards: RewardsConfig
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     deepspeed: RolloutDeepSpeedSection = Field(default_factory=RolloutDeepSpeedSection)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

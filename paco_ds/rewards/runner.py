@@ -30,7 +30,7 @@ from paco_ds.rewards.registry import build_reward
 log = logging.getLogger(__name__)
 
 
-def _concat(rs: list[RewardResult]) -> RewardResult:
+def concat_results(rs: list[RewardResult]) -> RewardResult:
     """Batches in order; a part missing from a batch (e.g. a failed one) is NaN there."""
     if not rs:
         return RewardResult(np.zeros(0), np.zeros(0, bool))
@@ -112,13 +112,16 @@ class RewardRunner:
         (minutes later) when collect() would have found it."""
         if self.spec.on_failure != "raise":
             return
-        for _, futures in self.pending:
+        with self._lock:  # a consumer of collect_oldest may be taking the oldest meanwhile
+            pending = list(self.pending)
+        for _, futures in pending:
             for fut in futures.values():
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    for _, others in self.pending:
+                    for _, others in pending:
                         for other in others.values():
                             other.cancel()
-                    self.pending = []
+                    with self._lock:
+                        self.pending = []
                     raise fut.exception()
 
     def submit(self, images, prompts: list[str], metadata: list[dict], ref_images=None) -> None:
@@ -126,7 +129,8 @@ class RewardRunner:
         pil = to_media(images)  # PIL images, or each video's PIL frames
         futures = {name: self.pools[name].submit(self._run, name, r, pil, list(prompts), list(metadata), ref_images)
                    for name, r in self.rewards.items()}
-        self.pending.append((len(pil), futures))
+        with self._lock:
+            self.pending.append((len(pil), futures))
         if not self.overlap:
             for fut in futures.values():
                 fut.exception()  # wait here; errors surface in collect()
@@ -148,7 +152,20 @@ class RewardRunner:
                 for fut in futures.values():
                     fut.cancel()
             raise
-        return {name: _concat(rs) for name, rs in out.items()}
+        return {name: concat_results(rs) for name, rs in out.items()}
+
+    def collect_oldest(self) -> dict[str, RewardResult]:
+        """The results of the oldest batch not collected yet, once every reward has scored it: a consumer
+        thread takes the batches one at a time, in submission order, while `submit` goes on (the samplers
+        of rollout.mode: async hand each scored batch to the trainers as soon as it is scored)."""
+        with self._lock:
+            _, futures = self.pending.pop(0)
+        try:
+            return {name: fut.result() for name, fut in futures.items()}
+        except BaseException:
+            for fut in futures.values():
+                fut.cancel()
+            raise
 
     def score(self, images, prompts, metadata, ref_images=None) -> dict[str, RewardResult]:
         """Synchronous convenience: submit one batch and collect it."""

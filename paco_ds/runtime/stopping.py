@@ -228,6 +228,10 @@ class StopControl:
         # a SIGINT during a preemption save: stop now
         self._deadline = time.monotonic()
 
+    def request_stop(self, reason: str) -> None:
+        """A stop asked on behalf of another process of the run (an async run's sampler): as a SIGTERM."""
+        self._stop_as_sigterm(reason)
+
     def _launcher_gone(self, pid: int) -> None:
         self._stop_as_sigterm(f"the launcher (pid {pid}) ended")
 

@@ -48,6 +48,9 @@ class Trajectory:
     log_prob: torch.Tensor | None = None  # [B, T] fp32, log pi_old
     mean_old: torch.Tensor | None = None  # [B, T, L, C] fp32 transition mean at sampling (GRPO-Guard's bias)
     x_final: torch.Tensor | None = None  # [B, L, C] the clean latents (losses on the forward process)
+    # [B, T] decoupled PPO's pi_prox / pi_behaviour, truncated, when log_prob holds log pi_prox instead of
+    # the sampler's log-probs (a stale sample of rollout.mode: async, paco_ds/grpo/async_rollouts.py)
+    behaviour_weight: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

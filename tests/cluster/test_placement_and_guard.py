@@ -13,6 +13,7 @@ from paco_ds.launchers.cluster import parse_hostfile, place
 from paco_ds.recipe.schema import ClusterConfig
 from paco_ds.errors import ConfigError
 from paco_ds.serving.routing import choose, is_local, parse
+from tests.conftest import run_cli
 from tests.distributed_runs import REPO, TINY, cpu_env
 
 pytestmark = pytest.mark.fast
@@ -113,6 +114,16 @@ def test_dry_run_checks_m_for_the_world_size(tmp_path):
     r = _cli("--hostfile", str(hostfile(tmp_path, TWO_BY_EIGHT)), "--config", str(TINY), "--dry-run",
              "--set", "cluster.colocate=true")
     assert r.returncode == 0 and "world size 16" in r.stdout and "(colocated with the judges)" in r.stdout
+
+
+def test_dry_run_places_the_samplers_of_an_async_run_on_the_last_ranks(tmp_path):
+    # 2 x 4 slots, the judge on node-0's GPU 0: 7 ranks, the last 3 sample (node-1's slots 1-3), 4 train
+    r = run_cli("launch/cluster.py", "--hostfile", str(hostfile(tmp_path, "node-0 slots=4\nnode-1 slots=4\n")),
+                "--config", str(TINY), "--dry-run", "--set", "cluster.judges=[{host: node-0, gpus: [0]}]",
+                "--set", "rollout.mode=async", "--set", "rollout.samplers=3")  # in this process
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "samplers      the last 3 rank(s), on node-1:1,2,3; the other 4 train" in r.stdout
+    assert "world size                 4" in r.stdout  # the epoch plan is the trainers'
 
 
 def test_dry_run_bad_hostfile_is_one_line(tmp_path):

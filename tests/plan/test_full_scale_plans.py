@@ -29,12 +29,18 @@ def _plan(recipe: str, overrides: list[str], **kw):
 
 
 def test_flux_t2is_fits_on_8_x_80_from_the_cli():
-    args = [a for o in T2IS_DATA for a in ("--set", o)]
+    """The plan from the CLI, with rollout.mode: async (one pass serves both): the per-rank plan, then how
+    many of the 8 GPUs sample (paco_ds/gpu_plan/async_split.py) from the same counted FLOPs."""
+    args = [a for o in (*T2IS_DATA, "rollout.mode=async", "rollout.samplers=4") for a in ("--set", o)]
     proc = run_cli("launch/train.py", "--config", "configs/flux_t2is.yaml", "--dry-run", "--world-size", "8",
                    "--gpu-memory", "80", *args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "verdict: fits on 8 x 80 GiB" in proc.stdout
     assert "transformer gathered for sampling" in proc.stdout and "model FLOPs per image" in proc.stdout
+    # sampling 225.8 + scoring 1.9 TFLOPs per image against training 45.6 + one proximal forward 21.9
+    assert "samplers 6: 227.8 TFLOPs per image" in proc.stdout and "trainers 2: 67.4 TFLOPs" in proc.stdout
+    assert "the recipe's rollout.samplers: 4:" in proc.stdout and "set rollout.samplers: 6" in proc.stdout
+    assert "0.36 GB per adapter push" in proc.stdout
     # the verdict names the largest rollout batch that fits (the recipe samples one image per call)
     import re
 

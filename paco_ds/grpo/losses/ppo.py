@@ -73,8 +73,13 @@ class PPOClip(Loss):
         dev = step.log_prob.device
         old = batch.log_prob[:, t].to(dev)
         if not self.guard:
-            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, step_advantages(batch, t).to(dev),
-                                                cfg.train.ppo.clip_range, cfg.advantage.clip,
+            adv, adv_clip = step_advantages(batch, t).to(dev), cfg.advantage.clip
+            if batch.behaviour_weight is not None:
+                # Decoupled PPO (rollout.mode: async): `old` is log pi_prox, and each term is weighted by
+                # pi_prox / pi_behaviour; folded into the clipped advantages, exact as the weight is > 0
+                adv = adv.float().clamp(-adv_clip, adv_clip) * batch.behaviour_weight[:, t].to(dev)
+                adv_clip = math.inf
+            loss, stats = kernels.ppo_clip_loss(step.log_prob, old, adv, cfg.train.ppo.clip_range, adv_clip,
                                                 backend=cfg.kernels.backend)
         else:
             dt = (batch.sigma[:, t] - batch.sigma_next[:, t]).to(dev).float()
