@@ -350,7 +350,8 @@ class RolloutConfig(Section):
     trains. `async`: the last `samplers` ranks of the launch only sample and score, the others only
     train (ZeRO-3 among themselves), each side at its own pace; a trained sample is at most
     `max_staleness` adapter versions (optimizer steps) older than the adapter its epoch's training
-    starts from, and the loss corrects for the gap (decoupled PPO, `behaviour_weight_cap`)."""
+    starts from, and the loss corrects for the gap with a behaviour weight capped at `behaviour_weight_cap`
+    (docs/async.md)."""
 
     mode: Literal["colocated", "async"] = "colocated"
     samplers: int = Field(1, ge=1)  # async: ranks (the launch's last ones) that sample

@@ -318,7 +318,7 @@ def test_epoch_reward_parts_one_rank_lacks_are_nan_there(monkeypatch):
 
     other = {"positions": np.array([1]), "groups": np.array([0]), "valid": np.array([True]),
              "scores": {"a": np.array([0.4])}, "parts": {"a/input1": np.array([0.4])}, "latency_s": [],
-             "applicable": {"a": np.array([True])}}
+             "applicable": {"a": np.array([True])}, "scored": True}
     monkeypatch.setattr(distributed, "all_gather_object", lambda mine: [mine, other])
     r = EpochRewards.gather(np.array([0]), groups=np.array([0]), valid=np.array([True]),
                             scores={"a": np.array([0.2])}, parts={"a/input1": np.array([0.2]),
