@@ -150,12 +150,13 @@ def recipe_zero_stage(cfg) -> int:
 
 def run_zero_stage(cfg, world_size: int) -> int:
     """The ZeRO stage a run uses on `world_size` processes: the recipe's, except ZeRO-3 on one process,
-    which partitions nothing there and only adds its per-module hooks and its flat optimizer copy
-    (measured: the training phase 8% slower than stage 0-2 on the same epoch, docs/benchmarks.md);
-    one process runs stage 0 instead, unless deepspeed.engine_compile asks for ZeRO-3's own compile."""
+    which partitions nothing there and only adds its per-module hooks (measured: the training phase
+    8% slower than ZeRO-2 on the same epoch, docs/benchmarks.md); one process runs stage 2 instead, unless
+    deepspeed.engine_compile asks for ZeRO-3's own compile. Stage 2, not 0: its optimizer skips a step
+    whose gradient norm is not finite, as ZeRO-3's does, where stage 0 would write NaN into the adapter."""
     stage = recipe_zero_stage(cfg)
     if stage == 3 and world_size == 1 and not cfg.deepspeed.engine_compile:
-        return 0
+        return 2
     return stage
 
 
