@@ -72,6 +72,14 @@ test: setup
 test-runs: setup
 	$(PY) -m pytest -q -m runs $(XDIST) --durations=15 $(SKIPS_RUNS)
 
+# The families' and losses' own launches (each trained on 2 ZeRO-3 ranks, resumed exactly and its LoRA
+# exported: editing, SD3, Qwen-Image, Z-Image, FLUX.2, each loss and sampler, compiled runs). Not one of CI's
+# lanes: on CI's 2 cores they took about 20 min, past CI's 40; run it for a change to a family, a loss, the
+# sampler or the trainer. The fast tier keeps each family's round trip and each loss's unit checks.
+.PHONY: test-runs-more
+test-runs-more: setup
+	$(PY) -m pytest -q -m runs_more $(XDIST) --durations=15 $(SKIPS_RUNS)
+
 # Every lane CI runs, in its order, timed, with a table at the end (tests/lanes.sh).
 test-all: setup
 	bash tests/lanes.sh

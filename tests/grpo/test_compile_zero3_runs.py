@@ -5,7 +5,7 @@ import pytest
 
 from distributed_runs import TINY, resumes_exactly
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 
 def test_compiled_sampling_under_zero3_has_no_graph_break_nor_recompile_after_the_first_epoch(tmp_path):

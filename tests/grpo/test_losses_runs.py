@@ -8,7 +8,7 @@ import yaml
 
 from distributed_runs import REPO, resumes_exactly
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 AWM = REPO / "configs/tiny/t2is_awm.yaml"
 

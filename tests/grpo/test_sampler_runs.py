@@ -5,7 +5,7 @@ import pytest
 
 from distributed_runs import REPO, resumes_exactly
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 
 def test_guard_with_per_group_fast_window_and_cheaper_rollouts_resumes_exactly(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from distributed_runs import SEQUENCE_GROUPS_RUN
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.sequence
 
 
 def test_two_sequence_groups_train_under_zero3_and_evaluate(runs):

@@ -12,7 +12,7 @@ from PIL import Image
 
 from distributed_runs import REPO, metrics, resume_copy, run_trainer, stable, tail
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 FAMILIES = {"kontext_edit": REPO / "configs/tiny/kontext_edit.yaml", "qwen_edit": REPO / "configs/tiny/qwen_edit.yaml",
             "qwen_edit_plus": REPO / "configs/tiny/qwen_edit_plus.yaml"}

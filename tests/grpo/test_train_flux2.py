@@ -10,7 +10,7 @@ import torch
 
 from distributed_runs import REPO, family_run_resumes_exactly
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 SHORT = ("train.num_epochs=2", "sample.group_size=4", "test.eval_freq=0", "checkpoint.save_freq=1",
          "checkpoint.keep_last=2", "logging.num_train_images=0", "logging.tensorboard=false",

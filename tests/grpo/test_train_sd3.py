@@ -17,7 +17,7 @@ from PIL import Image
 from conftest import REPO
 from distributed_runs import metrics, resume_copy, run_trainer, stable, tail
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more (not in CI: its time)
 
 PROMPTS = REPO / "paco_ds" / "data" / "prompts"
 

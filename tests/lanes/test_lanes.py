@@ -15,7 +15,7 @@ from conftest import REPO, skip_policy_verdict
 pytestmark = pytest.mark.fast
 
 LANES_SH = REPO / "tests" / "lanes.sh"
-PYTEST_LANES = ("test", "test-runs", "test-stop", "test-plan", "test-video", "test-sequence", "test-vllm",
+PYTEST_LANES = ("test", "test-runs", "test-runs-more", "test-stop", "test-plan", "test-video", "test-sequence", "test-vllm",
                 "test-cluster", "test-slurm")
 SET_UPS = ("setup", "vllm-setup", "triton36-setup", "cluster-test-setup", "slurm-test-setup")
 

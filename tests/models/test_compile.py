@@ -64,7 +64,7 @@ def _compiles() -> dict:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
-@pytest.mark.runs
+@pytest.mark.runs_more
 def test_no_graph_break_and_no_recompile_from_one_epoch_to_the_next(policies):
     policy, _ = policies
     _epoch(policy, policy.transformer, ["a red cube", "two cats"], seed=0)
@@ -75,7 +75,7 @@ def test_no_graph_break_and_no_recompile_from_one_epoch_to_the_next(policies):
     assert _compiles() == first
 
 
-@pytest.mark.runs
+@pytest.mark.runs_more
 def test_compiled_equals_eager_within_float_tolerance(policies):
     policy, eager = policies
     prompts = ["a red cube", "two cats"]

@@ -32,7 +32,7 @@ def _verdicts(plan) -> tuple[str, str]:
     return verdict(plan), verdict(dataclasses.replace(plan, gpu_gib=141))
 
 
-@pytest.mark.plan
+@pytest.mark.video
 def test_wan21_14b_at_480p_fits_on_8_x_80_with_checkpointing_and_flash_attention():
     """81 frames at 480 x 832 (32,760 video tokens per sample): the 14B transformer gathered for
     sampling beside UMT5-XXL, and training's activations with checkpointing and the flash kernel."""
