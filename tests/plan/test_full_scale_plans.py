@@ -1,6 +1,7 @@
 """Full-size plans of the paper recipes on fake CUDA tensors (1-3 min of CPU each): `make test-plan`
-(CI runs it). The recipes' prompt files are not in the repository: the shipped tiny data stands in
-(the plan's shapes come from the recipe's resolution and the models, not from the prompts)."""
+(CI runs it). The plans whose code path one of these already takes (Qwen-Image-Edit beside its 2509
+sibling, Qwen-Image's T2IS recipe, the loss comparison's four) are tests/plan/test_more_plans.py's
+(`make test-plan-more`, outside CI's time)."""
 from __future__ import annotations
 
 
@@ -8,24 +9,11 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
+from tests.plan.planning import (EDIT_DATA, MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB,
+                                 check_editing_plan, check_t2is_family_cli_plan)
+from tests.plan.planning import plan as _plan
 
 pytestmark = pytest.mark.plan  # minutes each: make test-plan
-
-T2IS_DATA = ["data.train_file=paco_ds/data/prompts/tiny_t2is_train.jsonl",
-             "data.test_file=paco_ds/data/prompts/tiny_t2is_test.jsonl", "sample.prompts_per_epoch=8"]
-EDIT_DATA = ["data.train_file=paco_ds/data/prompts/tiny_edit/train_metadata.jsonl",
-             "data.test_file=paco_ds/data/prompts/tiny_edit/test_metadata.jsonl", "sample.prompts_per_epoch=7"]
-MULTI_EDIT_DATA = ["data.train_file=paco_ds/data/prompts/tiny_edit/train_multi.jsonl",
-                   "data.test_file=paco_ds/data/prompts/tiny_edit/test_multi.jsonl", "sample.prompts_per_epoch=4"]
-GiB = 2 ** 30
-QWEN_IMAGE_TRANSFORMER_PARAMS = 20_430_401_088  # without the LoRA (Qwen-Image's, Edit's and Edit-2509/2511's)
-
-
-def _plan(recipe: str, overrides: list[str], **kw):
-    from paco_ds.gpu_plan.plan import gpu_plan
-    from paco_ds.grpo.plan import load_config
-
-    return gpu_plan(load_config(REPO / "configs" / recipe, overrides), 8, 80, **kw)
 
 
 def test_flux_t2is_fits_on_8_x_80_from_the_cli():
@@ -50,26 +38,13 @@ def test_flux_t2is_fits_on_8_x_80_from_the_cli():
 
 @pytest.mark.parametrize("recipe,data,transformer", [
     ("kontext_edit.yaml", EDIT_DATA, None),
-    ("qwen_edit.yaml", EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS),
     ("qwen_edit_plus.yaml", MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS),  # two input images per edit
 ])
 def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
-    import dataclasses
-
-    plan = _plan(recipe, data)
-    assert plan.fits, plan.to_json()["verdict"]
-    assert dataclasses.replace(plan, gpu_gib=141).fits  # and on 8 x 141 GiB (H200)
-    if transformer:  # the real class built on meta: 2511's zero_cond_t adds no parameter
-        assert plan.params["transformer"] - plan.params["lora"] == transformer
-    # the text encoders are parked for training; the gathered transformer is in sampling only
-    assert plan.memory["training"]["text encoders"] == 0 < plan.memory["sampling"]["text encoders"]
-    assert plan.memory["sampling"]["transformer gathered for sampling"] > 15 * GiB
-    assert plan.flops["training"] > 0 and plan.flops["sampling"] > plan.flops["training"] / 4
+    check_editing_plan(recipe, data, transformer)
 
 
 @pytest.mark.parametrize("family, transformer, text_encoders", [
-    # Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) with Qwen2.5-VL-7B
-    ("qwen_image", "transformer (base) 20,430,401,088, lora 424,673,280", "text_encoders 8,292,166,656"),
     # Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B
     ("z_image", "transformer (base) 6,154,908,736, lora 158,760,960", "text_encoders 4,022,468,096"),
     # FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B
@@ -78,42 +53,35 @@ def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
 def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli(family, transformer, text_encoders):
     """A family's recipe on the paper's T2IS settings, planned on fake tensors from the CLI: the plan
     states the transformer's parameters (its base, and its LoRA beside it), the text encoder's, and its verdict."""
-    args = [a for o in T2IS_DATA for a in ("--set", o)]
-    proc = run_cli("launch/train.py", "--config", f"configs/{family}_t2is.yaml", "--dry-run", "--world-size", "8",
-                   "--gpu-memory", "80", *args, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"GPU plan per rank ({family}, 512x512, bfloat16" in proc.stdout
-    params = next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
-    assert transformer in params and text_encoders in params
-    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
-    assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
-
-
-def _cli_plan(recipe: str, gib: int, *overrides: str) -> str:
-    args = [a for o in (*T2IS_DATA, *overrides) for a in ("--set", o)]
-    proc = run_cli("launch/train.py", "--config", f"configs/{recipe}", "--dry-run", "--world-size", "8",
-                   "--gpu-memory", str(gib), *args, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    check_t2is_family_cli_plan(family, transformer, text_encoders)
 
 
 def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_for_80():
     """FLUX.2-dev's transformer (32.2B, diffusers' class on fake tensors from its published config) and
     Mistral-Small-3.1 (24.0B, whole on every rank while sampling, parked for training) on the paper's
-    T2IS settings: they fit on 8 x 141 GiB; on 8 x 80 GiB the gathered transformer beside the text
-    encoder (sampling) and the activations (training) do not, and the verdict names the two keys that
-    fit it there, which the third plan sets."""
-    out = _cli_plan("flux2_t2is.yaml", 80)
+    T2IS settings, as --dry-run --gpu-memory 80 prints it (print_plan): they fit on 8 x 141 GiB (the
+    same plan's verdict there); on 8 x 80 GiB the gathered transformer beside the text encoder (sampling)
+    and the activations (training) do not, and the verdict names the two keys that fit it there, which
+    the second plan sets."""
+    import dataclasses
+
+    from paco_ds.gpu_plan import print_plan
+    from paco_ds.gpu_plan.plan import verdict
+    from paco_ds.grpo.plan import load_config
+
+    printed = []
+    planned = print_plan(load_config(REPO / "configs" / "flux2_t2is.yaml", T2IS_DATA), 8, 80, log=printed.append)
+    out = "\n".join(printed)
     assert "GPU plan per rank (flux2, 512x512, bfloat16, gradient checkpointing off" in out
     params = next(line for line in out.splitlines() if line.startswith("parameters:"))
     assert "transformer (base) 32,223,281,152, lora 308,281,344" in params  # 32,531,562,496 with the LoRA
     assert "text_encoders 24,011,361,280" in params  # Mistral-Small-3.1, its vision tower included
     assert "note: text encoders (24,011,361,280 parameters, 44.7 GiB): whole on every rank" in out
-    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
-    assert verdict.startswith("verdict: does not fit on 8 x 80 GiB"), verdict
-    assert "deepspeed.rollout_gather: per_step" in verdict and "model.gradient_checkpointing: true" in verdict
-    verdict = next(line for line in _cli_plan("flux2_t2is.yaml", 141).splitlines() if line.startswith("verdict:"))
-    assert verdict.startswith("verdict: fits on 8 x 141 GiB"), verdict
+    text = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    assert text.startswith("verdict: does not fit on 8 x 80 GiB"), text
+    assert "deepspeed.rollout_gather: per_step" in text and "model.gradient_checkpointing: true" in text
+    on_141 = verdict(dataclasses.replace(planned, gpu_gib=141))
+    assert on_141.startswith("fits on 8 x 141 GiB"), on_141
     plan = _plan("flux2_t2is.yaml", T2IS_DATA + ["deepspeed.rollout_gather=per_step", "model.gradient_checkpointing=true"])
     assert plan.fits, plan.to_json()["verdict"]
     assert plan.memory["sampling"]["text encoders"] > 40 * GiB and plan.memory["training"]["text encoders"] == 0
@@ -253,43 +221,6 @@ def test_the_nft_recipe_is_planned_with_its_old_policy():
     plan = _plan("flux_t2is_nft.yaml", T2IS_DATA)
     assert plan.fits, plan.to_json()["verdict"]
     assert plan.flops["training"] > 0
-
-
-def test_the_loss_comparison_counts_dpo_dgpo_mixgrpo_flash_and_tree_rollouts_at_full_size(tmp_path):
-    # benchmarks/loss_compare.py --full-scale: each method's full-size recipe planned. DGPO trains
-    # every sample at each drawn step (the reference's forward and the policy's); DPO only the pair
-    # of each group of k, so its training FLOPs per image are 2/k of the plan's per-row count.
-    import json
-    import sys
-
-    from paco_ds.grpo.plan import load_config
-    from paco_ds.sampling.solver import plan_for
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import loss_compare
-
-    loss_compare.full_scale(["dgpo", "dpo", "mixgrpo_flash", "tree"], tmp_path, {})
-    rows = {r["method"]: r for r in json.loads((tmp_path / "loss_compare_full_scale.json").read_text())["methods"]}
-    # MixGRPO-Flash's rollout plan moves with its window: the calls are the mean over its places
-    cfg = load_config(REPO / "configs/flux_t2is_mixgrpo_flash.yaml", list(loss_compare.PLAN_DATA))
-    win = cfg.sample.sde_window
-    calls = [len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)]
-    assert rows["mixgrpo_flash"]["transformer_calls_per_image"] == pytest.approx(sum(calls) / len(calls))
-    assert rows["mixgrpo_flash"]["transformer_calls_per_image"] < 10
-    # a tree of 16 leaves splitting in 2 at steps 0, 2, 3 and 5 of 10: 89 calls for the group's 16 images,
-    # and each image trains its 4 splits
-    tree = rows["tree"]
-    assert tree["transformer_calls_per_image"] == pytest.approx(89 / 16) and tree["trained_steps_per_sample"] == 4
-    assert tree["fits_8x80"]
-    assert tree["tflops_per_image"]["sampling"] < 6 * tree["transformer_forward_tflops"]
-    dgpo, dpo = rows["dgpo"], rows["dpo"]
-    assert dgpo["fits_8x80"] and dpo["fits_8x80"]
-    assert dgpo["transformer_calls_per_image"] == dpo["transformer_calls_per_image"] == 10  # an ODE rollout
-    assert dgpo["trained_steps_per_sample"] == 4 and dpo["trained_steps_per_sample"] == 2
-    # per trained step and sample the two losses run the same forwards (reference + policy)
-    per_step = dgpo["tflops_per_image"]["training"] / 4
-    assert dpo["tflops_per_image"]["training"] == pytest.approx(per_step * 2 * 2 / 16, rel=1e-6)
-    assert per_step > 2.5 * dgpo["transformer_forward_tflops"]  # a forward without grad, one with, a backward
 
 
 def test_a_loss_and_its_switch_from_tests_are_counted_with_no_change_to_the_plan():

@@ -2,8 +2,7 @@
 and Wan2.2-T2V-A14B at 480p and 720p, on 8 x 80 GiB
 and 8 x 141 GiB (H200). Each plan builds the checkpoint's real classes on meta from its published
 config, samples and scores a video and trains a micro-step on the real code path (2 min of CPU each).
-The plan tier (`make test-plan`, CI) holds Wan2.1-14B at 480p; Wan2.1-14B at 720p and Wan2.2-A14B at
-480p are the `video` lane's (`make test-video`, outside CI: CI's time is spent). docs/gpu_plan.md
+They are the `video` lane's (`make test-video`, outside CI: CI's time is spent). docs/gpu_plan.md
 tabulates them."""
 from __future__ import annotations
 
