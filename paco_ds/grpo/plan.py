@@ -166,24 +166,27 @@ def check_recipe(cfg: Config, world_size: int) -> RecipeCheck:
 
 def rollout_line(cfg: Config) -> str:
     """How a training rollout walks its steps: transformer calls per image, and what saves some."""
+    from paco_ds.models import policy_class
     from paco_ds.sampling.solver import ode_stretches, plan_for
 
     s = cfg.sample
     win = s.sde_window
+    k = policy_class(cfg.model.family).calls_per_step(s.guidance_scale)  # 2: guidance's unconditional call apart
+    each = f" ({k} per step: classifier-free guidance's unconditional velocity is a call of its own)" if k > 1 else ""
     if win is not None and win.schedule == "sliding":  # the plan moves with the window: each place it can be
-        calls = sorted({len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)})
+        calls = sorted({k * len(plan_for(cfg, at)) for at in range(win.range[0], win.range[1] - win.size + 1)})
         out = f"{calls[0]}-{calls[-1]}" if len(calls) > 1 else f"{calls[0]}"
-        out += f" transformer calls per image of {s.num_steps} steps (by where the sliding window is)"
+        out += f" transformer calls per image of {s.num_steps} steps (by where the sliding window is){each}"
     elif s.tree is not None:
         from paco_ds.sampling.tree import calls_per_tree
 
-        per_tree = calls_per_tree(s.num_steps, list(s.noise_steps), s.tree.branches)
+        per_tree = k * calls_per_tree(s.num_steps, list(s.noise_steps), s.tree.branches)
         out = (f"{per_tree / s.group_size:.3g} transformer calls per image of {s.num_steps} steps: a tree of "
                f"{s.group_size} leaves splitting in {s.tree.branches} at {list(s.noise_steps)} ({per_tree} calls, "
-               f"{s.group_size * s.num_steps} unshared; more where a group's leaves are on several ranks)")
+               f"{s.group_size * s.num_steps * k} unshared; more where a group's leaves are on several ranks){each}")
         return out
     else:
-        out = f"{len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps"
+        out = f"{k * len(plan_for(cfg))} transformer calls per image of {s.num_steps} steps{each}"
     if s.ode_steps is not None:
         out += f" (ODE-only stretches in <= {s.ode_steps} {s.ode_solver} steps)"
     head = ode_stretches(cfg)[:1]

@@ -254,6 +254,13 @@ class Policy(ABC):
     _negative_here: "TextEmbeds | None" = None
 
     @classmethod
+    def calls_per_step(cls, guidance: float) -> int:
+        """Transformer calls per sampling step at `guidance` (`sample.guidance_scale`): one, where a
+        family guides on one batched call or not at all; a family that makes the unconditional call
+        apart says so."""
+        return 1
+
+    @classmethod
     def sequence_length_limit(cls, tiny: bool) -> int | None:
         """model.max_sequence_length's limit for the full-size family, or for its tiny twin."""
         if tiny and cls.tiny_max_sequence_length_limit is not None:

@@ -277,10 +277,14 @@ class WanPolicy(Policy):
         return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device, self.dtype)
 
     # ------------------------------------------------------------------ transformer / VAE
+    @classmethod
+    def calls_per_step(cls, guidance: float) -> int:
+        return 2 if guidance > 1 else 1  # the unconditional velocity is a call of its own (velocity)
+
     def velocity(self, module: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: TextEmbeds,
                  height: int, width: int, guidance: float, condition=None) -> torch.Tensor:
-        """The guided velocity, shaped like `latents`: one transformer call, on [uncond | cond] when
-        guidance > 1."""
+        """The guided velocity, shaped like `latents`: one transformer call, and a second one for the
+        unconditional velocity when guidance > 1 (`calls_per_step`)."""
         if condition is not None:
             raise ValueError(f"{self.display_name} generates from text alone: it takes no condition images")
         b = latents.shape[0]

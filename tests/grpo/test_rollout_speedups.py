@@ -182,6 +182,18 @@ def test_the_dry_run_says_how_a_rollout_walks_its_steps():
     assert "sample.share_prefix" in line
 
 
+@pytest.mark.parametrize("guidance, calls", [(4.0, 8), (1.0, 4)])
+def test_the_dry_run_counts_wans_unconditional_call_under_guidance(guidance, calls):
+    """Wan makes classifier-free guidance's unconditional velocity a transformer call of its own (as
+    WanPipeline does): two calls per step above guidance 1, one at 1."""
+    from paco_ds.grpo.plan import rollout_line
+
+    cfg = load_config(REPO / "configs/tiny/wan22_t2v.yaml", ["sample.num_steps=4", f"sample.guidance_scale={guidance}"])
+    line = rollout_line(cfg)
+    assert line.startswith(f"{calls} transformer calls per image of 4 steps"), line
+    assert ("2 per step: classifier-free guidance's unconditional velocity" in line) == (guidance > 1)
+
+
 @pytest.mark.parametrize("key, value, says", [("sample.ode_steps", "0", "greater than or equal to 1"),
                                               ("sample.ode_solver", "heun", "'euler' or 'ab2'")])
 def test_a_bad_switch_is_one_line_naming_the_key(key, value, says):
