@@ -68,14 +68,16 @@ SKIPS_RUNS  := $(SKIP_POLICY) --allow-skip="runs in the TRITON_INTERPRET=1 subpr
 test: setup
 	$(PY) -m pytest -q -m fast $(XDIST) --durations=10 $(SKIPS_FAST)
 
-# Real training, SFT and evaluation launches (2 ZeRO-3 ranks), and the benchmarks' quick runs.
+# Real training, SFT and evaluation launches (2 ZeRO-3 ranks), and the kernel benchmarks' quick runs.
 test-runs: setup
 	$(PY) -m pytest -q -m runs $(XDIST) --durations=15 $(SKIPS_RUNS)
 
 # The families' and losses' own launches (each trained on 2 ZeRO-3 ranks, resumed exactly and its LoRA
-# exported: editing, SD3, Qwen-Image, Z-Image, FLUX.2, each loss and sampler, compiled runs). Not one of CI's
-# lanes: on CI's 2 cores they took about 20 min, past CI's 40; run it for a change to a family, a loss, the
-# sampler or the trainer. The fast tier keeps each family's round trip and each loss's unit checks.
+# exported: editing, SD3, Qwen-Image, Z-Image, FLUX.2, each loss and sampler, compiled runs), the switches
+# that must not change what trains (KL path, kernel backends, checkpointing) and the GRPO and serving
+# benchmarks' quick runs. Not one of CI's lanes: on CI's 2 cores they take about 25 min, past CI's 40; run it
+# for a change to a family, a loss, the sampler, the trainer or a benchmark. The fast tier keeps each family's
+# round trip and each loss's unit checks.
 .PHONY: test-runs-more
 test-runs-more: setup
 	$(PY) -m pytest -q -m runs_more $(XDIST) --durations=15 $(SKIPS_RUNS)
@@ -88,7 +90,14 @@ test-all: setup
 # and compared.
 .PHONY: test-stop
 test-stop: setup
-	$(PY) -m pytest -q -m stop $(SKIP_POLICY)
+	$(PY) -m pytest -q -m stop --durations=5 $(SKIP_POLICY)
+
+# Stops beyond CI's (tests/grpo/test_stop_more.py): reward SFT on a full disk, a preemption mid-training and
+# one during evaluation, each resumed. 6 launches, about 5 min of 2 cores: not in test-all (CI); run it for a
+# change to the stop, preemption or storage paths.
+.PHONY: test-stop-more
+test-stop-more: setup
+	$(PY) -m pytest -q -m stop_more --durations=5 $(SKIP_POLICY)
 
 # parallel.sequence on CPU ranks: for FLUX.1, Qwen-Image and FLUX.2 the sharded velocity, log-probs and
 # LoRA gradients against the unsharded ones, and the two sequence groups' run resumed
@@ -150,6 +159,13 @@ cluster-test-setup:
 test-cluster: setup cluster-test-setup
 	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster $(SKIP_POLICY)
 
+# Beyond CI's two-node tests (tests/cluster/test_two_nodes_more.py): the second node's rank killed, the job
+# down on both hosts, then resumed to its end. Two 4-epoch launches: not in test-all (CI). Root, as above;
+# `bash tests/cluster/netns.sh down` takes the nodes down again.
+.PHONY: test-cluster-more
+test-cluster-more: setup cluster-test-setup
+	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster_more $(SKIP_POLICY)
+
 # A real Slurm on those two nodes (root): Debian's slurm-wlm and munge, slurmctld and one slurmd per
 # network namespace (tests/slurm/slurm.sh; `bash tests/slurm/slurm.sh down` stops it all again).
 slurm-test-setup: cluster-test-setup
@@ -167,6 +183,13 @@ test-slurm: setup slurm-test-setup
 .PHONY: test-plan
 test-plan: setup
 	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
+
+# The full-size plans whose code path a test-plan plan already takes (tests/plan/test_more_plans.py:
+# Qwen-Image-Edit, Qwen-Image's T2IS recipe, the loss comparison's four), about 8 min of 2 cores: not in
+# test-all (CI). Run it for a change to a Qwen-Image family or to benchmarks/loss_compare.py.
+.PHONY: test-plan-more
+test-plan-more: setup
+	$(PY) -m pytest -q -m plan_more -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
 
 # The tiny Wan recipes (tests/grpo/test_train_wan.py: 4 launches of 5-frame videos with the judge served, about
 # 5 min of 2 cores, user time 4.5 min) and two of the full-size Wan plans (tests/plan/test_wan_plans.py, 2.5 min

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import run_cli
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # benchmarks' quick runs: make test-runs-more
 
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
 SPREADS = ("epoch_s", "cpu_s", "sample_s", "reward_s", "train_s", "other_s", "transformer_s", "transformer_sample_s",

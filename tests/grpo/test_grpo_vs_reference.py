@@ -6,7 +6,7 @@ import pytest
 
 from conftest import REPO, run_cli
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # benchmarks' quick runs: make test-runs-more
 
 
 def test_quick_run_compares_both_epochs(tmp_path):

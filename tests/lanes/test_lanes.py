@@ -15,8 +15,8 @@ from conftest import REPO, skip_policy_verdict
 pytestmark = pytest.mark.fast
 
 LANES_SH = REPO / "tests" / "lanes.sh"
-PYTEST_LANES = ("test", "test-runs", "test-runs-more", "test-stop", "test-plan", "test-video", "test-sequence", "test-vllm",
-                "test-cluster", "test-slurm")
+PYTEST_LANES = ("test", "test-runs", "test-runs-more", "test-stop", "test-stop-more", "test-plan", "test-plan-more", "test-video", "test-sequence", "test-vllm",
+                "test-cluster", "test-cluster-more", "test-slurm")
 SET_UPS = ("setup", "vllm-setup", "triton36-setup", "cluster-test-setup", "slurm-test-setup")
 
 

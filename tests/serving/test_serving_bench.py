@@ -5,7 +5,7 @@ import pytest
 
 from conftest import run_cli
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # benchmarks' quick runs: make test-runs-more
 
 
 def test_load_8_clients_x_50_requests_without_errors(tmp_path):
