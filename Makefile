@@ -66,11 +66,11 @@ SKIPS_RUNS  := $(SKIP_POLICY) --allow-skip="runs in the TRITON_INTERPRET=1 subpr
 
 # The fast tier: unit and component tests and the one shared tiny run (5 minutes on 2 cores).
 test: setup
-	$(PY) -m pytest -q -m fast $(XDIST) --durations=10 $(SKIPS_FAST)
+	$(PY) -m pytest -q -m fast $(XDIST) --durations=25 $(SKIPS_FAST)
 
 # Real training, SFT and evaluation launches (2 ZeRO-3 ranks), and the kernel benchmarks' quick runs.
 test-runs: setup
-	$(PY) -m pytest -q -m runs $(XDIST) --durations=15 $(SKIPS_RUNS)
+	$(PY) -m pytest -q -m runs $(XDIST) --durations=40 $(SKIPS_RUNS)
 
 # The families' and losses' own launches (each trained on 2 ZeRO-3 ranks, resumed exactly and its LoRA
 # exported: editing, SD3, Qwen-Image, Z-Image, FLUX.2, each loss and sampler, compiled runs), the switches
@@ -90,7 +90,7 @@ test-all: setup
 # and compared.
 .PHONY: test-stop
 test-stop: setup
-	$(PY) -m pytest -q -m stop --durations=5 $(SKIP_POLICY)
+	$(PY) -m pytest -q -m stop --durations=10 $(SKIP_POLICY)
 
 # Stops beyond CI's (tests/grpo/test_stop_more.py): reward SFT on a full disk, a preemption mid-training and
 # one during evaluation, each resumed. 6 launches, about 5 min of 2 cores: not in test-all (CI); run it for a
@@ -157,7 +157,7 @@ cluster-test-setup:
 	bash tests/cluster/netns.sh up
 
 test-cluster: setup cluster-test-setup
-	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster $(SKIP_POLICY)
+	PACO_TEST_CLUSTER=1 $(PY) -m pytest -q -m cluster --durations=5 $(SKIP_POLICY)
 
 # Beyond CI's two-node tests (tests/cluster/test_two_nodes_more.py): the second node's rank killed, the job
 # down on both hosts, then resumed to its end. Two 4-epoch launches: not in test-all (CI). Root, as above;
@@ -175,14 +175,14 @@ slurm-test-setup: cluster-test-setup
 	bash tests/slurm/slurm.sh up
 
 test-slurm: setup slurm-test-setup
-	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm tests/slurm $(SKIP_POLICY)
+	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm tests/slurm --durations=8 $(SKIP_POLICY)
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
 # the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece,
 # two at a time (independent tests: --dist load).
 .PHONY: test-plan
 test-plan: setup
-	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
+	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=20 $(SKIP_POLICY)
 
 # The full-size plans whose code path a test-plan plan already takes (tests/plan/test_more_plans.py:
 # Qwen-Image-Edit, Qwen-Image's T2IS recipe, the loss comparison's four), about 8 min of 2 cores: not in
@@ -230,7 +230,7 @@ $(VLLM_STAMP): constraints-cpu.txt
 	@echo "vLLM set-up done: $(VLLM_VENV) ($$(du -sh $(VLLM_VENV) | cut -f1))"
 
 test-vllm: setup vllm-setup
-	PACO_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -m vllm $(SKIP_POLICY)
+	PACO_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -m vllm $(SKIP_POLICY) --durations=5
 
 clean:
 	rm -rf runs build *.egg-info
