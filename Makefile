@@ -184,9 +184,9 @@ test-slurm: setup slurm-test-setup
 test-plan: setup
 	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=20 $(SKIP_POLICY)
 
-# The full-size plans whose code path a test-plan plan already takes (tests/plan/test_more_plans.py:
-# Qwen-Image-Edit, Qwen-Image's T2IS recipe, the loss comparison's four), about 8 min of 2 cores: not in
-# test-all (CI). Run it for a change to a Qwen-Image family or to benchmarks/loss_compare.py.
+# The full-size plans beyond test-plan's (tests/plan/test_more_plans.py: Qwen-Image-Edit, Qwen-Image and
+# Z-Image T2IS, SD3's GenEval recipe, the reward models, CLIP-I, NFT, a loss from tests/, the loss comparison),
+# about 9 min of 2 cores: not in test-all (CI). Run it for a change to one of those or to paco_ds/gpu_plan/.
 .PHONY: test-plan-more
 test-plan-more: setup
 	$(PY) -m pytest -q -m plan_more -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)

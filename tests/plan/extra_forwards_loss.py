@@ -1,5 +1,5 @@
 """A loss defined in tests/ only, with a switch of its own, for the GPU plan to count with no line of
-paco_ds/gpu_plan/ knowing it (tests/plan/test_full_scale_plans.py): REINFORCE on the trained step's
+paco_ds/gpu_plan/ knowing it (tests/plan/test_more_plans.py): REINFORCE on the trained step's
 log-prob, plus `train.extra_forwards.forwards` more transformer forwards without grad per micro-step
 (what a reference or old-policy forward costs)."""
 from __future__ import annotations

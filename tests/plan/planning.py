@@ -58,3 +58,12 @@ def check_t2is_family_cli_plan(family: str, transformer: str, text_encoders: str
     assert transformer in params and text_encoders in params
     verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith("verdict: fits on 8 x 80 GiB"), verdict
+
+
+def sd3_data(tmp_path, name: str) -> list[str]:
+    """A shipped tiny prompt file repeated to 48 prompts: one epoch of Flow-GRPO's SD3 recipes at 8 ranks."""
+    src = REPO / "paco_ds" / "data" / "prompts" / name
+    lines = src.read_text().strip().splitlines()
+    many = tmp_path / f"train{src.suffix}"
+    many.write_text("\n".join(lines * -(-48 // len(lines))) + "\n")
+    return [f"data.train_file={many}", f"data.test_file={src}"]

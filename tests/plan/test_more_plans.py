@@ -1,12 +1,15 @@
-"""Full-size plans whose code path a plan of `make test-plan` (CI) already takes, each still its own
-recipe and its own numbers: `make test-plan-more`, outside CI's time (2-6 min of CPU apiece). Run it for
-a change to a Qwen-Image family or to the loss comparison (benchmarks/loss_compare.py --full-scale)."""
+"""The full-size plans beyond `make test-plan`'s (CI's): `make test-plan-more`, outside CI's time (1-3 min
+of CPU apiece, about 9 min on 2 cores). Qwen-Image-Edit (its 2509 sibling is CI's) and Qwen-Image's and
+Z-Image's T2IS recipes from the CLI, SD3's GenEval recipe, the local reward models and CLIP-I at full size,
+DiffusionNFT's old policy, a loss from tests/ and the loss comparison (benchmarks/loss_compare.py
+--full-scale). Run it for a change to one of these families, a reward model, a loss or paco_ds/gpu_plan/."""
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO
-from tests.plan.planning import EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, check_editing_plan, check_t2is_family_cli_plan
+from tests.conftest import REPO, run_cli
+from tests.plan.planning import (EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, check_editing_plan,
+                                 check_t2is_family_cli_plan, plan as _plan, sd3_data)
 
 pytestmark = pytest.mark.plan_more
 
@@ -20,6 +23,72 @@ def test_qwen_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the
     """Qwen-Image's 60-block MMDiT (Qwen-Image-Edit's transformer config) with Qwen2.5-VL-7B."""
     check_t2is_family_cli_plan("qwen_image", "transformer (base) 20,430,401,088, lora 424,673,280",
                                "text_encoders 8,292,166,656")
+
+
+def test_z_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
+    """Z-Image-Turbo's single-stream DiT (its published config, diffusers' own class) with Qwen3-4B."""
+    check_t2is_family_cli_plan("z_image", "transformer (base) 6,154,908,736, lora 158,760,960",
+                               "text_encoders 4,022,468,096")
+
+
+# ------------------------------------------------------------------------------- SD3.5-Medium's GenEval recipe
+def test_sd3_geneval_without_gradient_checkpointing_does_not_fit_and_says_why(tmp_path):
+    """GenEval scores on its own server: no local reward model. At Flow-GRPO's 9 images per micro-step
+    (18 with the batched CFG), the training activations are what does not fit."""
+    args = [a for o in sd3_data(tmp_path, "tiny_geneval_train.jsonl") for a in ("--set", o)]
+    proc = run_cli("launch/train.py", "--config", "configs/sd3_geneval.yaml", "--dry-run", "--world-size", "8",
+                   "--gpu-memory", "80", *args, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GPU plan per rank (sd3, 512x512, bfloat16, gradient checkpointing off" in proc.stdout
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("verdict:"))
+    assert "does not fit on 8 x 80 GiB: training" in verdict and "biggest: activations" in verdict
+    assert "fix: model.gradient_checkpointing: true" in verdict
+    assert "reward_models" not in next(line for line in proc.stdout.splitlines() if line.startswith("parameters:"))
+
+
+# ------------------------------------------------------------------------------- local reward models
+def test_each_local_reward_counts_its_own_models(tmp_path):
+    """The plan asks each reward for its full-size models (`Reward.full_size`) and scores the batch
+    through its own `score`: PickScore's CLIP-H (bf16 on a GPU), the aesthetic predictor's CLIP
+    ViT-L/14 and head, ImageReward's BLIP ViT-L/16, text encoder and head (fp32, their default)."""
+    clip_h, clip_l14, head, blip_vit, blip_text = 986_109_441, 427_616_513, 927_969, 303_301_632, 141_977_088
+    plan = _plan("sd3_pickscore.yaml", sd3_data(tmp_path, "tiny_ocr_train.txt") + [
+        "model.gradient_checkpointing=true", "rewards.train.terms.aesthetic={weight: 1.0}",
+        "rewards.train.terms.imagereward={weight: 1.0}"])
+    assert plan.params["reward_models"] == clip_h + clip_l14 + head + blip_vit + blip_text + head
+    weights = clip_h * 2 + (clip_l14 + blip_vit + blip_text + 2 * head) * 4
+    assert weights <= plan.memory["training"]["reward models"] < weights + 16 * 2 ** 20  # + their buffers
+    assert plan.flops_detail["reward_models"] > 0.35e12  # more than PickScore's alone
+
+
+def test_clip_i_scores_the_edits_against_their_references():
+    plan = _plan("kontext_edit.yaml", EDIT_DATA + ["rewards.train.terms.clip_i={weight: 1.0}"])
+    assert plan.params["reward_models"] == 986_109_441  # open_clip ViT-H-14; the judge runs elsewhere
+    assert plan.flops["scoring"] > 0
+
+
+def test_the_nft_recipe_is_planned_with_its_old_policy():
+    # DiffusionNFT keeps an old adapter (loss.setup, as the trainer calls it) that its rollout and
+    # training swap in: the plan sets it up too, and the recipe fits.
+    plan = _plan("flux_t2is_nft.yaml", T2IS_DATA)
+    assert plan.fits, plan.to_json()["verdict"]
+    assert plan.flops["training"] > 0
+
+
+def test_a_loss_and_its_switch_from_tests_are_counted_with_no_change_to_the_plan():
+    """The plan builds the trainer's own loss object: a loss defined in tests/ (tests/plan/extra_forwards_loss.py)
+    whose switch adds no-grad transformer forwards to each micro-step costs exactly those forwards more
+    in the plan's training FLOPs, and nothing in paco_ds/gpu_plan/ names it."""
+    loss = ["train.loss=tests.plan.extra_forwards_loss:ExtraForwards"]
+    plain = _plan("kontext_edit.yaml", EDIT_DATA + loss)
+    extra = _plan("kontext_edit.yaml", EDIT_DATA + loss + ["train.extra_forwards.forwards=2"])
+    forward = plain.flops_detail["transformer_forward"]
+    trained = plain.counts["trained_steps_per_sample"]
+    added = extra.flops_detail["train_micro_step"] - plain.flops_detail["train_micro_step"]
+    assert added == pytest.approx(2 * forward, rel=0.02)
+    assert extra.flops["training"] - plain.flops["training"] == pytest.approx(2 * forward * trained, rel=0.02)
+    assert plain.flops["sampling"] == extra.flops["sampling"]  # the switch acts in training only
+    assert not [p for p in (REPO / "paco_ds" / "gpu_plan").rglob("*.py") if "extra_forwards" in p.read_text()]
 
 
 def test_the_loss_comparison_counts_dpo_dgpo_mixgrpo_flash_and_tree_rollouts_at_full_size(tmp_path):
