@@ -11,7 +11,7 @@ import pytest
 
 from distributed_runs import REPO, metrics, run_trainer, stable, tail
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more: outside CI's time
 
 FIXTURE = REPO / "tests" / "grpo" / "fixtures" / "pre_layout_run"
 # what the fixture's run was launched with (its config.yaml holds the whole recipe)

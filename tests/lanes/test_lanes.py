@@ -49,6 +49,20 @@ def test_a_lane_whose_tests_all_skip_fails_and_so_does_the_run(tmp_path):
     assert table["test-vllm"]["status"] == "failed"
 
 
+def test_the_side_venvs_install_after_the_fast_tier_and_before_the_lanes_that_need_them(tmp_path):
+    """`make test` has both cores to itself; the side venvs (one make, in the background) start once
+    it is done, and test-vllm and test-triton36 wait for them."""
+    calls = tmp_path / "calls"
+    make = _fake_make(tmp_path, f'echo "start $*" >> {calls}; [[ $1 == vllm-setup ]] && sleep 1; echo "end $*" >> {calls}\n')
+    proc, table = _lanes(tmp_path, {"LANES": "test test-runs test-vllm test-triton36", "MAKE": str(make)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    order = calls.read_text().splitlines()
+    assert order.index("end test") < order.index("start vllm-setup triton36-setup")  # beside test-runs, not test
+    assert order.index("end vllm-setup triton36-setup") < order.index("start test-vllm")
+    assert order.count("start vllm-setup triton36-setup") == 1
+    assert all(table[lane]["status"] == "passed" for lane in ("test", "test-runs", "test-vllm", "test-triton36"))
+
+
 @pytest.mark.parametrize("ci", [True, False])
 def test_a_lane_that_needs_root_fails_in_ci_without_it(tmp_path, ci):
     calls = tmp_path / "calls"

@@ -148,12 +148,6 @@ def test_the_judge_engine_and_the_sft_model_load_with_the_choice_and_score_the_s
     assert model.config.text_config._attn_implementation == "eager"
 
 
-def test_a_judge_started_with_what_cannot_run_exits_2_with_one_line():
-    proc = run_cli("-m", "paco_ds.serving.hf_engine", "--tiny", "--served-model-name", "j", "--device", "cpu",
-                   "--attn-implementation", "flash_attention_2")
-    assert "config key 'reward_servers.attn_implementation': 'flash_attention_2' needs flash-attn 2" in one_line_error(proc)
-
-
 def test_a_backend_without_masks_is_refused_for_a_family_that_masks_its_prompt_tokens():
     qwen = "configs/tiny/qwen_image_t2is.yaml"
     msg = _refused("model.attention_backend=_native_flash", recipe=qwen)

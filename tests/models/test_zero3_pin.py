@@ -11,7 +11,7 @@ import pytest
 
 from distributed_runs import rank_probe
 
-pytestmark = pytest.mark.runs
+pytestmark = pytest.mark.runs_more  # make test-runs-more: outside CI's time
 
 
 def test_pin_keeps_parameters_gathered_for_the_phase_and_releases_after(tmp_path):

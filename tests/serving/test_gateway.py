@@ -18,7 +18,7 @@ from paco_ds.models.tiny.qwen_vl import save_tiny_qwen2_5_vl
 from paco_ds.serving import manager
 from paco_ds.recipe.servers import ServersConfig
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.runs  # real server processes: make test-runs
 
 TOKEN_ENV, TOKEN = "PACO_TEST_GATEWAY_TOKEN", "gw-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -12,7 +12,7 @@ from paco_ds.runtime import processes
 from paco_ds.serving import manager
 from paco_ds.recipe.servers import ServersConfig
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.runs  # real server processes: make test-runs
 
 
 def _cli(*args, timeout=180):

@@ -195,13 +195,6 @@ def test_recipe_top_logprobs_above_the_judges_vocabulary_is_one_line_at_load():
         one_line_error(out)
 
 
-def test_hf_engine_refuses_max_logprobs_above_the_vocabulary_at_start():
-    out = run_cli("-m", "paco_ds.serving.hf_engine", "--tiny", "--served-model-name", "judge", "--port", "0",
-                  "--max-logprobs", "268", timeout=300)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "--max-logprobs=268 exceeds the vocabulary of judge 'judge' (267 tokens)" in out.stderr
-
-
 def test_tiny_judge_has_the_head_size_and_vocabulary_the_checks_assume():
     """The numbers the config checks read are the built model's: a head size vLLM's CPU attention
     has kernels for, and the vocabulary top_logprobs is checked against."""
