@@ -92,8 +92,8 @@ test-all: setup
 test-stop: setup
 	$(PY) -m pytest -q -m stop --durations=10 $(SKIP_POLICY)
 
-# Stops beyond CI's (tests/grpo/test_stop_more.py): reward SFT on a full disk, a preemption mid-training and
-# one during evaluation, each resumed. 6 launches, about 5 min of 2 cores: not in test-all (CI); run it for a
+# Stops beyond CI's (tests/grpo/test_stop_more.py): the launcher SIGKILLed, reward SFT on a full disk, a
+# preemption mid-training and one during evaluation, each resumed. 7 launches, about 5 min of 2 cores: not in test-all (CI); run it for a
 # change to the stop, preemption or storage paths.
 .PHONY: test-stop-more
 test-stop-more: setup
@@ -176,6 +176,12 @@ slurm-test-setup: cluster-test-setup
 
 test-slurm: setup slurm-test-setup
 	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm tests/slurm --durations=8 $(SKIP_POLICY)
+
+# A Slurm job beyond CI's (tests/slurm/test_slurm_jobs_more.py): the time limit's warning requeues it, its
+# next start is cancelled and nothing is left 30 s after scancel. About 100 s: not in test-all (CI). Root.
+.PHONY: test-slurm-more
+test-slurm-more: setup slurm-test-setup
+	PACO_TEST_SLURM=1 $(PY) -m pytest -q -m slurm_more tests/slurm --durations=8 $(SKIP_POLICY)
 
 # Full-size plans of the paper recipes on fake CUDA tensors (tests/plan, docs/gpu_plan.md): each builds
 # the real models from configs and runs the rollout and a trained micro-step; 1-3 min of CPU apiece,

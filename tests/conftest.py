@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 TINY = REPO / "configs" / "tiny" / "t2is.yaml"
 
-TIERS = ("fast", "runs", "runs_more", "async_runs", "stop", "stop_more", "plan", "plan_more", "video", "sequence", "cluster", "cluster_more", "slurm", "vllm", "gpu")  # pytest.ini's markers
+TIERS = ("fast", "runs", "runs_more", "async_runs", "stop", "stop_more", "plan", "plan_more", "video", "sequence", "cluster", "cluster_more", "slurm", "slurm_more", "vllm", "gpu")  # pytest.ini's markers
 
 
 def tiers_of(item) -> set[str]:

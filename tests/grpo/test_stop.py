@@ -89,11 +89,17 @@ def with_suppress(fn):
         pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_signal_to_the_launcher_alone_stops_every_rank_and_judge(tmp_path, sig):
-    """SIGTERM to the `deepspeed` pid (the runner has no handler on one node), and the launcher's
-    death by SIGKILL: both ranks, the judge and W&B's service are gone within 30 s, the launcher's
-    status is non-zero, and `latest` names a complete checkpoint that no later write touched."""
+def test_a_sigterm_to_the_launcher_alone_stops_every_rank_and_judge(tmp_path):
+    """SIGTERM to the `deepspeed` pid (the runner has no handler on one node): both ranks, the judge and
+    W&B's service are gone within 30 s, the launcher's status is non-zero, and `latest` names a complete
+    checkpoint that no later write touched. (The launcher's death by SIGKILL: tests/grpo/test_stop_more.py.)"""
+    signal_the_launcher_alone(tmp_path, signal.SIGTERM)
+
+
+def signal_the_launcher_alone(tmp_path, sig):
+    """Start the tiny run with its judge and W&B, send `sig` to the launcher's pid alone once epoch 1 is
+    checkpointed, and check that every rank, judge and service is gone within STOP_BOUND_S and the run
+    directory's last checkpoint verifies and stays as it was."""
     run_dir = tmp_path / "run"
     launcher = _start(run_dir, "train.num_epochs=200", "checkpoint.save_freq=1", "logging.wandb.mode=offline",
                       *SHORT, *JUDGE)

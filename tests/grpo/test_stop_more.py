@@ -1,6 +1,6 @@
-"""Stops beyond `make test-stop`'s (CI's): reward SFT on a full disk, a preemption while an epoch
-trains (DiffusionNFT's inner epochs) and one during evaluation, each resumed. `make test-stop-more`, outside
-CI's time (6 launches, about 5 min of 2 cores); run it for a change to paco_ds/runtime/stopping.py,
+"""Stops beyond `make test-stop`'s (CI's): the launcher killed by SIGKILL, reward SFT on a full disk, a
+preemption while an epoch trains (DiffusionNFT's inner epochs) and one during evaluation, each resumed.
+`make test-stop-more`, outside CI's time (7 launches, about 5 min of 2 cores); run it for a change to paco_ds/runtime/stopping.py,
 preemption.py, storage.py or the trainer's and SFT's save paths. Real processes, as tests/grpo/test_stop.py."""
 import re
 import signal
@@ -10,9 +10,16 @@ import pytest
 
 from distributed_runs import REPO, deepspeed_cli, metrics, run_trainer, stable, tail
 from paco_ds.runtime.checkpoint import verify
-from test_stop import NO_JUDGE, SHORT, _cleanup, _descendants, _fill_the_disk_after, _latest, _no_traceback, _start
+from test_stop import (NO_JUDGE, SHORT, _cleanup, _descendants, _fill_the_disk_after, _latest, _no_traceback, _start,
+                       signal_the_launcher_alone)
 
 pytestmark = pytest.mark.stop_more
+
+
+def test_a_sigkill_of_the_launcher_stops_every_rank_and_judge(tmp_path):
+    """The launcher's death by SIGKILL (no handler runs): its guard stops both ranks, the judge and W&B's
+    service within 30 s, and the last checkpoint verifies (tests/grpo/test_stop.py's SIGTERM case)."""
+    signal_the_launcher_alone(tmp_path, signal.SIGKILL)
 
 
 def test_reward_sft_on_a_full_disk_names_a_file_of_its_run(tmp_path):

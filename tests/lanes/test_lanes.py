@@ -16,7 +16,7 @@ pytestmark = pytest.mark.fast
 
 LANES_SH = REPO / "tests" / "lanes.sh"
 PYTEST_LANES = ("test", "test-runs", "test-runs-more", "test-stop", "test-stop-more", "test-plan", "test-plan-more", "test-video", "test-sequence", "test-vllm",
-                "test-cluster", "test-cluster-more", "test-slurm")
+                "test-cluster", "test-cluster-more", "test-slurm", "test-slurm-more")
 SET_UPS = ("setup", "vllm-setup", "triton36-setup", "cluster-test-setup", "slurm-test-setup")
 
 
