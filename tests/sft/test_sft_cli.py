@@ -6,7 +6,7 @@ from PIL import Image
 
 from conftest import REPO, run_cli
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.runs  # each case launches launch/sft.py (about 10 s of imports apiece): make test-runs
 
 TINY = str(REPO / "configs" / "tiny" / "reward_sft.yaml")
 
