@@ -81,7 +81,7 @@ def test_served_and_in_process_judges_agree_and_a_resumed_run_equals_one_run(ben
     assert page.count("<img src=\"data:image/png;base64,") >= (5 if bench == "consistency_rank" else 3)
 
 
-@pytest.mark.runs
+@pytest.mark.runs_more  # a launch of launch/evaluate.py: make test-runs-more
 def test_cli_table_and_bad_input(data, tmp_path):
     out = tmp_path / "cli"
     p = run_cli(str(REPO / "launch/evaluate.py"), "reward", "--bench", "edit_reward", "--data", str(data[1]),

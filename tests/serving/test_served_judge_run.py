@@ -52,19 +52,6 @@ def _kill_judge_after_first_epoch(proc, run_dir, timeout=240):
     return state["endpoints"]["paco-reward-tiny"]
 
 
-def test_judge_killed_with_raise_stops_the_run_naming_the_endpoint(tmp_path):
-    proc = _launch(tmp_path, "train.num_epochs=6", "rewards.train.on_failure=raise")
-    url = _kill_judge_after_first_epoch(proc, tmp_path / "tiny_t2is")
-    code = finish(proc, timeout=60)
-    out = (tmp_path / "run.log").read_text()
-    assert code != 0
-    assert f"reward server {url} (model 'paco-reward-tiny')" in out and "connection failed" in out
-    assert "Traceback" not in out  # a reward server failure is a user-facing one-liner
-    # Stopped in the first epoch after the kill: one retry budget plus process teardown.
-    lines = (tmp_path / "tiny_t2is" / "metrics.jsonl").read_text().strip().splitlines()
-    assert len(lines) <= 2, lines
-
-
 def test_judge_killed_with_mask_trains_on_and_counts_the_masked_samples(tmp_path):
     proc = _launch(tmp_path, "train.num_epochs=3", "rewards.train.on_failure=mask",
                    "train.max_consecutive_nonfinite=10")
