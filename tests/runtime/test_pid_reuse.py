@@ -87,7 +87,8 @@ def _discard(proc: subprocess.Popen) -> None:
 
 def _take(pid: int, tmp_path: Path, newcomers: list, session: bool = True, argv0: str = sys.executable) -> Newcomer:
     """A newcomer holding `pid`, a number whose process has ended: ns_last_pid makes it the next pid
-    (root); otherwise short-lived children cycle the pids round to it (at most 60000)."""
+    (root, where /proc/sys is writable); otherwise tests/runtime/pid_cycle.c cycles the pids round to it
+    (a wrap of the pids: a second or two)."""
     log = tmp_path / f"signals-{pid}"
     argv = [argv0, "-c", SENTINEL, str(log)]
 
@@ -108,18 +109,32 @@ def _take(pid: int, tmp_path: Path, newcomers: list, session: bool = True, argv0
             if (proc := spawn()) is not None:
                 break
     if proc is None:
-        for _ in range(60000):
-            child = os.fork()
-            if child == 0:
-                os._exit(0)
-            os.waitpid(child, 0)
-            if child == pid - 1 and (proc := spawn()) is not None:
+        cycler = _pid_cycler(tmp_path)
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        for _ in range(5):  # another process may take the pid between the cycle and the spawn
+            if subprocess.run([cycler, str(pid), str(2 * pid_max)]).returncode != 0:
+                break
+            if (proc := spawn()) is not None:
                 break
     if proc is None:
-        pytest.skip(f"could not give pid {pid} to a new process: ns_last_pid is not writable (root only) "
-                    "and 60000 short-lived children did not cycle round to it")
+        pytest.fail(f"could not give pid {pid} to a new process: ns_last_pid is not writable here and "
+                    f"{cycler.name} did not cycle the pids round to it")
     newcomers.append(Newcomer(proc, log))
     return newcomers[-1]
+
+
+def _pid_cycler(tmp_path: Path) -> Path:
+    """tests/runtime/pid_cycle.c built once per test process (a C compiler is part of the set-up: the
+    C++ kernels need one)."""
+    global _CYCLER
+    if _CYCLER is None or not _CYCLER.exists():
+        out = tmp_path.parent / f"pid_cycle-{os.getpid()}"
+        subprocess.run(["cc", "-O2", "-o", str(out), str(Path(__file__).with_name("pid_cycle.c"))], check=True)
+        _CYCLER = out
+    return _CYCLER
+
+
+_CYCLER: Path | None = None
 
 
 @pytest.fixture(params=["pidfd-group", "pidfd", "kill"])
