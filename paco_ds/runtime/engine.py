@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -58,12 +60,32 @@ def create_engine(model: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     """deepspeed.initialize with a torch AdamW over `params`; returns the engine."""
     import deepspeed
 
+    _muon_stand_in()
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, lr_scheduler=lr_scheduler)
     return engine
+
+
+def _muon_stand_in() -> None:
+    """DeepSpeed's ZeRO optimizers import its Muon modules only to ask whether the optimizer is Muon
+    (stage 3 when it is built; stages 1 and 2 on each gradient reduction, calling muon_update only for
+    a Muon optimizer). Importing them applies torch.compile to Muon's kernels, which loads Inductor:
+    2.2 s of every rank's start-up (python -X importtime). The optimizer here is always torch's AdamW,
+    so stand-ins answer the question instead, unless the real modules are loaded already."""
+    def not_loaded(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's Muon is not loaded (paco_ds.runtime.engine): paco_ds trains with AdamW")
+
+    package = "deepspeed.runtime.zero.muon"
+    for module, attrs in (("muon_optimizer", {"MuonWithAuxAdam": type("MuonWithAuxAdam", (), {})}),
+                          ("original_muon", {"muon_update": not_loaded, "adam_update": not_loaded})):
+        name = f"{package}.{module}"
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name, "paco_ds.runtime.engine's stand-in: the optimizer is never Muon")
+            stand_in.__dict__.update(attrs)
+            sys.modules[name] = stand_in
 
 
 def partition_report(module: torch.nn.Module) -> list[dict[str, Any]]:
