@@ -47,18 +47,6 @@ def test_exact_resume(full_run, tmp_path):
     assert stable([scalars[r["epoch"]] for r in rows]) == stable(rows) and len(scalars) == len(rows)
 
 
-def test_a_ppo_checkpoint_resumed_under_nft_is_refused_naming_the_missing_state(full_run, tmp_path):
-    """--allow-changed lets the loss change past the recipe check; the checkpoint still has no NFT
-    old policy, so the resume stops before step 1 instead of starting NFT from a wrong reference."""
-    run_dir = tmp_path / "nft"
-    resumed = resume_copy(full_run, run_dir, "epoch_0002", *FAST, "train.loss=nft",
-                          extra=("--allow-changed", "train.loss"))
-    assert resumed.returncode == 2, tail(resumed)
-    assert "the checkpoint lacks the nft loss's 'old' state, which this run needs" in resumed.stderr, tail(resumed)
-    assert "Traceback" not in resumed.stderr
-    assert metrics(run_dir) == metrics(full_run)  # the copy's log untouched: nothing was trained or dropped
-
-
 def test_killing_one_rank_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "killed"
     launcher = subprocess.Popen(launch_cmd("launch/train.py", run_dir, "train.num_epochs=200", "test.eval_freq=0",

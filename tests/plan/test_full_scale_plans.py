@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import REPO, run_cli
 from tests.plan.planning import (EDIT_DATA, MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB,
-                                 check_editing_plan, check_t2is_family_cli_plan, sd3_data)
+                                 check_editing_plan, sd3_data)
 from tests.plan.planning import plan as _plan
 
 pytestmark = pytest.mark.plan  # minutes each: make test-plan
@@ -45,16 +45,6 @@ def test_flux_t2is_fits_on_8_x_80_from_the_cli():
 ])
 def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
     check_editing_plan(recipe, data, transformer)
-
-
-@pytest.mark.parametrize("family, transformer, text_encoders", [
-    # FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B
-    ("flux2_klein", "transformer (base) 9,078,581,248, lora 142,606,336", "text_encoders 8,190,735,360"),
-])
-def test_a_t2is_family_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli(family, transformer, text_encoders):
-    """A family's recipe on the paper's T2IS settings, planned on fake tensors from the CLI: the plan
-    states the transformer's parameters (its base, and its LoRA beside it), the text encoder's, and its verdict."""
-    check_t2is_family_cli_plan(family, transformer, text_encoders)
 
 
 def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_for_80():

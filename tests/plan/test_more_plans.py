@@ -31,6 +31,13 @@ def test_z_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cl
                                "text_encoders 4,022,468,096")
 
 
+def test_flux2_klein_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():
+    """FLUX.2-klein-base-9B's transformer (FLUX.2's class, its published config) with Qwen3-8B; FLUX.2-dev's
+    plan (make test-plan) covers the family's code path."""
+    check_t2is_family_cli_plan("flux2_klein", "transformer (base) 9,078,581,248, lora 142,606,336",
+                               "text_encoders 8,190,735,360")
+
+
 # ------------------------------------------------------------------------------- SD3.5-Medium's GenEval recipe
 def test_sd3_geneval_without_gradient_checkpointing_does_not_fit_and_says_why(tmp_path):
     """GenEval scores on its own server: no local reward model. At Flow-GRPO's 9 images per micro-step
