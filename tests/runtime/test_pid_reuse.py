@@ -110,15 +110,16 @@ def _take(pid: int, tmp_path: Path, newcomers: list, session: bool = True, argv0
                 break
     if proc is None:
         cycler = _pid_cycler(tmp_path)
-        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        # Two wraps at most, and no more than about 30 s of children where pid_max is in the millions.
+        children = min(2 * int(Path("/proc/sys/kernel/pid_max").read_text()), 400_000)
         for _ in range(5):  # another process may take the pid between the cycle and the spawn
-            if subprocess.run([cycler, str(pid), str(2 * pid_max)]).returncode != 0:
+            if subprocess.run([cycler, str(pid), str(children)]).returncode != 0:
                 break
             if (proc := spawn()) is not None:
                 break
     if proc is None:
         pytest.fail(f"could not give pid {pid} to a new process: ns_last_pid is not writable here and "
-                    f"{cycler.name} did not cycle the pids round to it")
+                    f"{children} short-lived children did not cycle the pids round to it")
     newcomers.append(Newcomer(proc, log))
     return newcomers[-1]
 
