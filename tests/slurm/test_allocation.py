@@ -90,7 +90,10 @@ def test_the_stop_file_asks_a_rank_to_save_as_a_sigterm_would(monkeypatch, tmp_p
     try:
         time.sleep(3 * stopping.POLL_S)  # the watcher polls with the file absent: no request
         assert not control.requested
-        stop.write_text("SIGUSR1 to the launcher\n")
+        # written whole, as the cluster launcher writes it (a temporary file renamed): a watcher that
+        # polled between write_text's create and its write would read an empty request
+        stop.with_suffix(".tmp").write_text("SIGUSR1 to the launcher\n")
+        os.replace(stop.with_suffix(".tmp"), stop)
         deadline = time.monotonic() + 10
         while not control.requested and time.monotonic() < deadline:
             time.sleep(0.05)
