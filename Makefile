@@ -199,7 +199,7 @@ test-plan-more: setup
 	$(PY) -m pytest -q -m plan_more -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
 
 # The tiny Wan recipes (tests/grpo/test_train_wan.py: 4 launches of 5-frame videos with the judge served, about
-# 5 min of 2 cores, user time 4.5 min) and two of the full-size Wan plans (tests/plan/test_wan_plans.py, 2.5 min
+# 5 min of 2 cores, user time 4.5 min) and the five full-size Wan plans (tests/plan/test_wan_plans.py, about 2 min
 # of CPU each): more than the runs and plan tiers' room, so not in test-all (CI).
 .PHONY: test-video
 test-video: setup

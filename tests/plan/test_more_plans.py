@@ -1,6 +1,6 @@
 """The full-size plans beyond `make test-plan`'s (CI's): `make test-plan-more`, outside CI's time (1-3 min
 of CPU apiece, about 9 min on 2 cores). Qwen-Image-Edit (its 2509 sibling is CI's) and Qwen-Image's and
-Z-Image's T2IS recipes from the CLI, SD3's GenEval recipe, the local reward models and CLIP-I at full size,
+Z-Image's and FLUX.2-klein's T2IS recipes from the CLI, SD3.5-M's PickScore and GenEval recipes, the local reward models and CLIP-I at full size,
 DiffusionNFT's old policy, a loss from tests/ and the loss comparison (benchmarks/loss_compare.py
 --full-scale). Run it for a change to one of these families, a reward model, a loss or paco_ds/gpu_plan/."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.plan.planning import (EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, check_editing_plan,
+from tests.plan.planning import (EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB, check_editing_plan,
                                  check_t2is_family_cli_plan, plan as _plan, sd3_data)
 
 pytestmark = pytest.mark.plan_more
@@ -38,7 +38,24 @@ def test_flux2_klein_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_th
                                "text_encoders 8,190,735,360")
 
 
-# ------------------------------------------------------------------------------- SD3.5-Medium's GenEval recipe
+# ------------------------------------------------------------------------------- SD3.5-Medium's recipes
+def test_sd3_pickscore_with_gradient_checkpointing_fits_on_8_x_80(tmp_path):
+    """SD3.5-Medium with PickScore (Flow-GRPO's recipe) at full size; CI's plan tier keeps its parts' count."""
+    data = sd3_data(tmp_path, "tiny_ocr_train.txt")
+    plan = _plan("sd3_pickscore.yaml", data + ["model.gradient_checkpointing=true"])
+    assert plan.fits, plan.to_json()["verdict"]
+    assert plan.image_size == (512, 512) and plan.counts["rollout_batch"] == 9
+    assert plan.counts["transformer_calls_per_image"] == 10
+    assert plan.params["transformer"] - plan.params["lora"] == 2_243_171_520
+    assert plan.params["text_encoders"] == 123_650_304 + 694_659_840 + 4_762_310_656  # CLIP-L, CLIP-G, T5-XXL
+    assert plan.params["reward_models"] > 9e8  # PickScore's CLIP-H at full size, on the device
+    assert plan.memory["training"]["text encoders"] == 0 < plan.memory["sampling"]["text encoders"]
+    assert plan.memory["scoring"]["reward models"] > GiB
+    # 10 steps of one batched CFG forward each; training recomputes the checkpointed forward
+    assert plan.flops["sampling"] > 10 * plan.flops_detail["transformer_forward"] > 0
+    assert plan.flops_detail["train_micro_step"] > 3 * plan.flops_detail["transformer_forward"]
+
+
 def test_sd3_geneval_without_gradient_checkpointing_does_not_fit_and_says_why(tmp_path):
     """GenEval scores on its own server: no local reward model. At Flow-GRPO's 9 images per micro-step
     (18 with the batched CFG), the training activations are what does not fit."""
