@@ -5,17 +5,9 @@ import pytest
 
 from conftest import one_line_error, run_cli
 from distributed_runs import TINY, metrics, resume_copy, tail
+from test_train_runs import FAST, full_run  # noqa: F401 (the shared run, as tests/grpo/test_train_runs.py asks for it)
 
 pytestmark = pytest.mark.runs_more
-
-FAST = ("train.num_epochs=4", "sample.group_size=4", "test.eval_freq=2", "checkpoint.save_freq=2",
-        "checkpoint.keep_last=2", "logging.wandb.mode=offline")  # tests/grpo/test_train_runs.py's shared run
-
-
-@pytest.fixture(scope="module")
-def full_run(runs):
-    """The shared run of tests/grpo/test_train.py (the run cache launches it once per session)."""
-    return runs.get("t2is_full", *FAST, script="tests/scripts/train_probe.py").ok().dir
 
 
 def test_a_ppo_checkpoint_resumed_under_nft_is_refused_naming_the_missing_state(full_run, tmp_path):
