@@ -113,26 +113,35 @@ def shard_sequence(policy, mesh) -> int:
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ParallelConfig
 
-    transformer, n = policy.transformer, mesh["ulysses"].size()
-    plan = getattr(transformer, "_cp_plan", None)
-    if plan is None:
-        raise ValueError(f"{type(transformer).__name__} declares no _cp_plan: its sequence cannot be sharded")
-    heads = transformer.config.num_attention_heads
-    if heads % n:  # a checkpoint other than the family's published one: preflight checked that one
-        raise ValueError(f"{KEY}={n}: the transformer's {heads} attention heads do not split over {n} ranks")
+    n = mesh["ulysses"].size()
     cp = ContextParallelConfig(ulysses_degree=n, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(torch.distributed.get_rank(), torch.distributed.get_world_size(), None, mesh=mesh)
-    transformer._parallel_config = config
-    for module in transformer.modules():
-        processor = getattr(module, "processor", None)
-        if processor is not None and hasattr(processor, "_parallel_config"):
-            processor._parallel_config = config
-    apply_context_parallel(transformer, cp, plan)
-    # before diffusers' split: a length that does not divide is one line naming the key, not its assert
-    transformer.register_forward_pre_hook(_check_lengths(plan, n), with_kwargs=True)
+    for transformer in sharded_transformers(policy.transformer):
+        heads = transformer.config.num_attention_heads
+        if heads % n:  # a checkpoint other than the family's published one: preflight checked that one
+            raise ValueError(f"{KEY}={n}: the transformer's {heads} attention heads do not split over {n} ranks")
+        transformer._parallel_config = config
+        for module in transformer.modules():
+            processor = getattr(module, "processor", None)
+            if processor is not None and hasattr(processor, "_parallel_config"):
+                processor._parallel_config = config
+        apply_context_parallel(transformer, cp, transformer._cp_plan)
+        # before diffusers' split: a length that does not divide is one line naming the key, not its assert
+        transformer.register_forward_pre_hook(_check_lengths(transformer._cp_plan, n), with_kwargs=True)
     policy.sequence_degree = n
     return n
+
+
+def sharded_transformers(module: nn.Module) -> list[nn.Module]:
+    """The transformers that declare a split: `module` itself, or, for a module that holds several (Wan2.2's
+    two experts, paco_ds/models/wan22.py), each of its children that does; every one is sharded alike."""
+    if getattr(module, "_cp_plan", None) is not None:
+        return [module]
+    found = [m for m in module.children() if getattr(m, "_cp_plan", None) is not None]
+    if not found:
+        raise ValueError(f"{type(module).__name__} declares no _cp_plan: its sequence cannot be sharded")
+    return found
 
 
 def _check_lengths(plan: dict, n: int):

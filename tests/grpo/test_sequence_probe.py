@@ -1,6 +1,7 @@
 """parallel.sequence: 2 for real on 2 CPU ranks over gloo, one group (paco_ds/models/sequence.py:
-diffusers' Ulysses attention): for FLUX.1, Qwen-Image and FLUX.2 dev (tiny twins), the velocity, the
-sampled latents and log-probs and the LoRA gradients of one trained micro-step (ZeRO-3 engine,
+diffusers' Ulysses attention): for FLUX.1, Qwen-Image, FLUX.2 dev, Wan2.1, Wan2.2-A14B (both experts
+sharded) and Wan2.2-TI2V-5B (its per-token timesteps split with the video; tiny twins, 5-frame videos),
+the velocity, the sampled latents and log-probs and the LoRA gradients of one trained micro-step (ZeRO-3 engine,
 backpropagated as the trainer does) equal those of the unsharded transformer on one rank
 (tests/scripts/sequence_probe.py). And the runs tier's two sequence groups of 4 ranks
 (tests/grpo/test_sequence_parallel.py), resumed from their epoch-1 checkpoint under ZeRO-3, reproduce
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.sequence
 def test_the_sharded_velocity_log_prob_and_lora_gradients_equal_the_unsharded_ones(tmp_path):
     results = rank_probe("sequence_probe.py", tmp_path, "sequence", timeout=600)
     for r in results:
-        assert set(r["families"]) == {"flux", "qwen_image", "flux2"}
+        assert set(r["families"]) == {"flux", "qwen_image", "flux2", "wan", "wan22", "wan22_ti2v"}
         for family, d in r["families"].items():
             tokens = d["tokens"]  # the first attention saw this rank's half; preflight counts the same tokens
             assert 2 * tokens["sharded"] == tokens["full"] == tokens["preflight"], (family, tokens)

@@ -99,3 +99,33 @@ def test_one_rank_of_an_emulated_group_runs_half_of_the_tokens(tiny_cfg):
         with pytest.raises(ValueError, match="parallel.sequence=2: the transformer's 'hidden_states' has 1 tokens"):
             policy.velocity(policy.transformer, x, torch.tensor([0.5, 0.5]), embeds, 16, 16, 3.5)
     assert not torch.distributed.is_initialized()  # the emulated group is gone after the block
+
+
+def test_both_of_wan22s_experts_are_sharded():
+    """Wan2.2-A14B's policy transformer holds two experts (paco_ds/models/wan22.py): each is sharded as
+    its class declares, so a step on either side of the boundary runs half of the video's tokens, and the
+    velocity is gathered whole. (A module holding no transformer that declares a split is refused.)"""
+    from paco_ds.models import policy_class, with_family_defaults
+    from paco_ds.models.sequence import shard_sequence, sharded_transformers
+    from paco_ds.recipe.schema import ModelConfig
+    from paco_ds.runtime.sequence import emulated_group
+
+    cfg = with_family_defaults(ModelConfig(family="wan22", tiny=True, dtype="fp32", max_sequence_length=16,
+                                           num_frames=5))
+    policy = policy_class("wan22").load(cfg, torch.device("cpu"))
+    experts = sharded_transformers(policy.transformer)
+    assert experts == [policy.transformer.transformer, policy.transformer.transformer_2]
+    seen = {0: [], 1: []}
+    for i, expert in enumerate(experts):
+        expert.blocks[0].attn1.register_forward_pre_hook(lambda m, args, kw, i=i: seen[i].append(args[0].shape[1]),
+                                                         with_kwargs=True)
+    embeds = policy.encode_prompts(["a fox in the snow"])
+    x = policy.initial_latents(1, 32, 32, [torch.Generator().manual_seed(0)])
+    with emulated_group(2) as mesh, torch.no_grad():
+        assert shard_sequence(policy, mesh) == 2
+        for sigma in (0.95, 0.3):  # the high-noise expert, then the low-noise one
+            v = policy.velocity(policy.transformer, x, torch.tensor([sigma]), embeds, 32, 32, 1.0)
+            assert v.shape == x.shape
+    assert seen == {0: [policy.latent_seq_len(32, 32) // 2], 1: [policy.latent_seq_len(32, 32) // 2]}
+    with pytest.raises(ValueError, match="declares no _cp_plan"):
+        sharded_transformers(torch.nn.Sequential(torch.nn.Linear(2, 2)))

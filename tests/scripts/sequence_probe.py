@@ -1,6 +1,6 @@
 """Under the deepspeed launcher, 2 CPU ranks: parallel.sequence: 2 against the unsharded transformer.
 
-For each family (FLUX.1, Qwen-Image, FLUX.2 dev, their tiny twins) every rank builds the policy twice
+For each family (FLUX.1, Qwen-Image, FLUX.2 dev, Wan2.1 and Wan2.2's two experts: their tiny twins) every rank builds the policy twice
 as the trainer builds it, from the same seed: unsharded, on this rank alone (the reference), and with
 its tokens split over the two ranks inside a ZeRO-3 engine. Both sample one rollout batch through
 the trainer's Rollouts, and train one micro-step of the recipe's loss on the reference's rollout,
@@ -16,17 +16,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 FAMILIES = {"flux": "configs/tiny/t2is.yaml", "qwen_image": "configs/tiny/qwen_image_t2is.yaml",
-            "flux2": "configs/tiny/flux2_t2is.yaml"}
+            "flux2": "configs/tiny/flux2_t2is.yaml", "wan": "configs/tiny/wan_t2v.yaml",
+            "wan22": "configs/tiny/wan22_t2v.yaml", "wan22_ti2v": "configs/tiny/wan22_ti2v.yaml"}
 SETTINGS = ["parallel.sequence=2", "sample.num_steps=3", "sample.noise_steps=[1]", "sample.same_latent=false",
             "train.ema.enabled=false"]
 
 
 def first_attention_tokens(transformer) -> list[int]:
-    """A pre-hook on the first block's attention recording its image tokens per call (after the split)."""
+    """A pre-hook on the first block's (self-)attention recording its image or video tokens per call (after
+    the split), in each sharded transformer (both of Wan2.2's experts). Wan's blocks call theirs
+    positionally, the image families' by keyword."""
+    from paco_ds.models.sequence import sharded_transformers
+
     seen = []
-    attn = next(m for name, m in transformer.named_modules() if name.endswith("attn") and hasattr(m, "processor"))
-    attn.register_forward_pre_hook(lambda m, args, kwargs: seen.append(int(kwargs["hidden_states"].shape[1])),
-                                   with_kwargs=True)
+    for t in sharded_transformers(transformer):
+        attn = next(m for name, m in t.named_modules() if name.endswith(("attn", "attn1")) and hasattr(m, "processor"))
+        attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(int(kwargs.get("hidden_states", args[0] if args else None).shape[1])),
+            with_kwargs=True)
     return seen
 
 
@@ -92,7 +99,8 @@ def compare(family: str, recipe: str, dist, mesh) -> dict:
         v_ref = ref.velocity(ref.transformer.eval(), x, sigma, embeds, h, w, cfg.sample.guidance_scale)
         out["velocity"] = float((v - v_ref).abs().max())
         out["velocity_scale"] = float(v_ref.abs().max())
-    sharded_tokens, full_tokens = seen[-1], v_ref.shape[1]
+    sharded_tokens, full_tokens = seen[-1], ref.latent_seq_len(h, w)
+    frames = ref.latent_shape(h, w)[1] if hasattr(ref, "num_frames") else 1  # preflight counts one frame's
     with rollouts.module() as module:  # the sampling phase: the transformer gathered once
         traj = rollouts.sample(module, picks, h, w, epoch=0)
     with ref_rollouts.module() as module:
@@ -122,7 +130,7 @@ def compare(family: str, recipe: str, dist, mesh) -> dict:
         scale = max(scale, float(p_ref.grad.abs().max()))
     out |= {"grad": worst, "grad_scale": scale, "lora_tensors": len(lora), "unused": unused,
             "tokens": {"sharded": sharded_tokens, "full": full_tokens,
-                       "preflight": image_tokens(policy_class(cfg.model.family), h, w)}}
+                       "preflight": image_tokens(policy_class(cfg.model.family), h, w) * frames}}
     return out
 
 
