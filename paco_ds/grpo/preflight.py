@@ -287,6 +287,7 @@ def check_sequence_parallel(cfg: Config, train_items: list, test_items: list | N
     from paco_ds.models import policy_class
     from paco_ds.models import sequence as sp
     from paco_ds.grpo.losses import loss_class
+    from paco_ds.recipe.schema import size_of
     from paco_ds.runtime.engine import recipe_zero_stage
 
     policy = policy_class(cfg.model.family)
@@ -297,8 +298,8 @@ def check_sequence_parallel(cfg: Config, train_items: list, test_items: list | N
     if why is None and not policy.text_attention_mask:  # its prompts are padded to this length, unmasked
         length = policy.options(cfg.model).get("max_sequence_length")
         why = sp.divides("prompt tokens (model.max_sequence_length)", length, n) if length else None
-    sizes = {(r, r): key for key, r in (("train.resolution", cfg.train.resolution),
-                                        ("test.resolution", cfg.test.resolution))}
+    sizes = {size_of(r): key for key, r in (("train.resolution", cfg.train.resolution),
+                                            ("test.resolution", cfg.test.resolution))}
     for items, key in ((train_items, "data.train_file"), (test_items or [], "data.test_file")):
         for it in items:
             if getattr(it, "height", None) or getattr(it, "width", None):

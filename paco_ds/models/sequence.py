@@ -29,6 +29,8 @@ ranks is the mean over sequence groups).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -72,7 +74,10 @@ def attention_heads(policy_cls, model_cfg) -> int | None:
     if model_cfg.tiny:
         return model_cfg.tiny_spec.num_attention_heads
     full = getattr(policy_cls, "full_size", None)
-    return full.transformer().config.num_attention_heads if full is not None else None
+    if full is None:
+        return None
+    # Wan2.2-A14B's two experts have the same heads; their gcd is what N must divide in any case
+    return math.gcd(*(t.config.num_attention_heads for t in sharded_transformers(full.transformer())))
 
 
 def image_tokens(policy_cls, height: int, width: int) -> int:

@@ -28,6 +28,7 @@ def _dry_run(*sets: str, config=TINY, world: int = 4):
     (["parallel.sequence=4"], "config key 'parallel.sequence': 4: 2 attention heads do not split over 4 ranks"),
     (["model.max_sequence_length=15"], "15 prompt tokens (model.max_sequence_length) do not split over 2 ranks"),
     (["train.resolution=48"], "9 image tokens of 48x48 (train.resolution) do not split over 2 ranks"),
+    (["train.resolution=[48,80]"], "15 image tokens of 48x80 (train.resolution) do not split over 2 ranks"),
     (["model.family=z_image"], "the ZImageTransformer2DModel transformer declares no context-parallel split"),
     (["model.attention_backend=_native_math"], "attention backend '_native_math' has no sequence-parallel form"),
     (["model.compile=true", "deepspeed.zero_stage=2"], "model.compile below ZeRO stage 3 compiles the training"),
@@ -129,3 +130,13 @@ def test_both_of_wan22s_experts_are_sharded():
     assert seen == {0: [policy.latent_seq_len(32, 32) // 2], 1: [policy.latent_seq_len(32, 32) // 2]}
     with pytest.raises(ValueError, match="declares no _cp_plan"):
         sharded_transformers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_wan22s_heads_are_read_from_its_experts_published_config():
+    """The full-size heads preflight divides by N: Wan2.2-A14B's policy builds its two experts as one
+    module, whose own config holds no heads; each expert has Wan2.1-14B's 40."""
+    from paco_ds.models import policy_class, with_family_defaults
+    from paco_ds.models.sequence import attention_heads
+    from paco_ds.recipe.schema import ModelConfig
+
+    assert attention_heads(policy_class("wan22"), with_family_defaults(ModelConfig(family="wan22"))) == 40
