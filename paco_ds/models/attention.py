@@ -95,7 +95,16 @@ def set_attention_backend(transformer, name: str | None) -> None:
         sdpa_without_cudnn()
     if name is None:
         return
-    transformer.set_attention_backend(name)
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    # diffusers' set_attention_backend also makes `name` the process-wide default of every model whose
+    # processors name none: another model in this process (the GPU plan's next recipe, a reward's) would
+    # then run it unasked. Each processor keeps its own; the default goes back to what it was.
+    default = _AttentionBackendRegistry._active_backend
+    try:
+        transformer.set_attention_backend(name)
+    finally:
+        _AttentionBackendRegistry.set_active_backend(default)
     routed = [m for m in transformer.modules() if getattr(getattr(m, "processor", None), "_attention_backend", None)]
     if not routed and name != "native":  # the dispatcher changed no processor: the setting would silently do nothing
         # ('native' on a family that calls SDPA itself, SD3, is what it runs anyway: the check allows it)

@@ -62,6 +62,20 @@ def test_the_backend_reaches_every_attention_processor_and_keeps_the_output(tiny
     assert torch.allclose(before, after, atol=1e-5)
 
 
+def test_the_backend_stays_with_its_model_and_not_the_processs_default(tiny_cfg):
+    """diffusers' `set_attention_backend` also sets its process-wide default: another model in the
+    process, whose processors name no backend, would run it unasked (the GPU plan's next recipe in the
+    same process planned flash attention for a recipe that asked for none)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry._active_backend
+    first, other = (FluxPolicy.load(tiny_cfg.model, torch.device("cpu")) for _ in range(2))
+    set_attention_backend(first.transformer, "_native_math")
+    assert _AttentionBackendRegistry._active_backend == default
+    assert {getattr(m.processor, "_attention_backend", None) for m in other.transformer.modules()
+            if hasattr(getattr(m, "processor", None), "_attention_backend")} == {None}
+
+
 def test_the_default_sdpa_leaves_cudnn_out_for_the_policy_and_the_sft_model(tiny_cfg, tmp_path, monkeypatch):
     """cuDNN's fused attention fails in its backward at FLUX's 512 px shape on Hopper (the GPU lane's
     diagnose.log): the trainer's default attention, and the SFT model's, take PyTorch's SDPA without it.
