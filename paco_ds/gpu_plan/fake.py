@@ -309,10 +309,13 @@ def move_fake(mode: FakeCuda, module: torch.nn.Module, device: torch.device) -> 
         for name, p in list(mod._parameters.items()):
             if p is not None:
                 tag = mode._seen.get(id(p.untyped_storage()), "transformer")
-                new = torch.nn.Parameter(fake_cuda_tensor(mode, p, device), requires_grad=p.requires_grad)
-                mod._parameters[name] = new
+                # under its tag from the start: nn.Parameter() dispatches an alias of the new storage,
+                # which the mode counts at once, and counted under the default tag the moved weights
+                # were training's activations (a whole transformer of them, every training pass)
                 with mode.tagged(tag):
+                    new = torch.nn.Parameter(fake_cuda_tensor(mode, p, device), requires_grad=p.requires_grad)
                     mode._track(new)
+                mod._parameters[name] = new
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 new = fake_cuda_tensor(mode, b, device)

@@ -70,6 +70,25 @@ def test_memory_peak_and_tags(mode):
     assert mode.total == c.untyped_storage().nbytes() == 1 << 18
 
 
+def test_a_module_moved_to_another_fake_device_keeps_its_tags(mode):
+    """The training pass moves the transformer onto fake meta tensors: its weights stay "transformer"
+    and its adapter "lora", never training's activations."""
+    from paco_ds.gpu_plan.fake import move_fake, to_fake_cuda
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8, bias=False))
+    module[1].weight.requires_grad_(False)
+    to_fake_cuda(mode, module, torch.bfloat16)
+    mode.track_module(module[1], "transformer")
+    with mode.tagged("lora"):
+        [mode._track(p) for p in module[0].parameters()]  # (no name left holding a weight the move replaces)
+    before = {k: v for k, v in mode.live.items() if v}
+    with mode:
+        move_fake(mode, module, torch.device("meta"))
+    assert {k: v for k, v in mode.live.items() if v} == before == {"lora": (64 * 64 + 64) * 2, "transformer": 64 * 8 * 2}
+    assert all(p.device.type == "meta" for p in module.parameters())
+
+
 def test_sde_step_with_a_host_tensor_in_its_inputs_is_caught(mode):
     import kernels
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
