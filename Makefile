@@ -191,16 +191,17 @@ test-slurm-more: setup slurm-test-setup
 test-plan: setup
 	$(PY) -m pytest -q -m plan -n $(PYTEST_WORKERS) --dist load --durations=20 $(SKIP_POLICY)
 
-# The full-size plans beyond test-plan's (tests/plan/test_more_plans.py: Qwen-Image-Edit, Qwen-Image and
-# Z-Image T2IS, SD3's GenEval recipe, the reward models, CLIP-I, NFT, a loss from tests/, the loss comparison),
-# about 9 min of 2 cores: not in test-all (CI). Run it for a change to one of those or to paco_ds/gpu_plan/.
+# The full-size plans beyond test-plan's (tests/plan/test_more_plans.py: Qwen-Image-Edit and Edit-2509, Qwen-Image
+# and Z-Image T2IS, SD3's GenEval recipe, the reward models, CLIP-I, NFT, a loss from tests/, the loss comparison),
+# about 10 min of 2 cores: not in test-all (CI). Run it for a change to one of those or to paco_ds/gpu_plan/.
 .PHONY: test-plan-more
 test-plan-more: setup
 	$(PY) -m pytest -q -m plan_more -n $(PYTEST_WORKERS) --dist load --durations=8 $(SKIP_POLICY)
 
 # The tiny Wan recipes (tests/grpo/test_train_wan.py: 4 launches of 5-frame videos with the judge served, about
-# 5 min of 2 cores, user time 4.5 min) and the five full-size Wan plans (tests/plan/test_wan_plans.py, about 2 min
-# of CPU each): more than the runs and plan tiers' room, so not in test-all (CI).
+# 5 min of 2 cores, user time 4.5 min) and four of the five full-size Wan plans (tests/plan/test_wan_plans.py, about
+# 2 min of CPU each; Wan2.1-14B at 480p is test-plan's): more than the runs and plan tiers' room, so not in
+# test-all (CI).
 .PHONY: test-video
 test-video: setup
 	$(PY) -m pytest -q -m video --durations=4 $(SKIP_POLICY)

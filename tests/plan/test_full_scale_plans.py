@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_cli
-from tests.plan.planning import (EDIT_DATA, MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB,
-                                 check_editing_plan)
+from tests.plan.planning import EDIT_DATA, T2IS_DATA, GiB, check_editing_plan
 from tests.plan.planning import plan as _plan
 
 pytestmark = pytest.mark.plan  # minutes each: make test-plan
@@ -40,12 +39,9 @@ def test_flux_t2is_fits_on_8_x_80_from_the_cli():
     assert largest > 1
 
 
-@pytest.mark.parametrize("recipe,data,transformer", [
-    ("kontext_edit.yaml", EDIT_DATA, None),
-    ("qwen_edit_plus.yaml", MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS),  # two input images per edit
-])
-def test_editing_recipes_fit_on_8_x_80(recipe, data, transformer):
-    check_editing_plan(recipe, data, transformer)
+def test_kontext_fits_on_8_x_80():
+    """FLUX.1-Kontext's edit with its reference (Qwen-Image-Edit's plans are make test-plan-more's)."""
+    check_editing_plan("kontext_edit.yaml", EDIT_DATA, None)
 
 
 def test_flux2_dev_plan_counts_32b_and_24b_fits_on_141_and_names_the_switches_for_80():

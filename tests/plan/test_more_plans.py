@@ -1,5 +1,5 @@
 """The full-size plans beyond `make test-plan`'s (CI's): `make test-plan-more`, outside CI's time (1-3 min
-of CPU apiece, about 9 min on 2 cores). Qwen-Image-Edit (its 2509 sibling is CI's) and Qwen-Image's and
+of CPU apiece, about 10 min on 2 cores). Qwen-Image-Edit and Edit-2509 (two input images) and Qwen-Image's and
 Z-Image's and FLUX.2-klein's T2IS recipes from the CLI, SD3.5-M's PickScore and GenEval recipes, the local reward models and CLIP-I at full size,
 DiffusionNFT's old policy, a loss from tests/ and the loss comparison (benchmarks/loss_compare.py
 --full-scale). Run it for a change to one of these families, a reward model, a loss or paco_ds/gpu_plan/."""
@@ -8,15 +8,18 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.plan.planning import (EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB, check_editing_plan,
+from tests.plan.planning import (EDIT_DATA, MULTI_EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS, T2IS_DATA, GiB, check_editing_plan,
                                  check_t2is_family_cli_plan, plan as _plan, sd3_data)
 
 pytestmark = pytest.mark.plan_more
 
 
-def test_qwen_image_edit_fits_on_8_x_80():
-    """Qwen-Image-Edit, one input image per edit (its 2509 sibling with two is test-plan's)."""
-    check_editing_plan("qwen_edit.yaml", EDIT_DATA, QWEN_IMAGE_TRANSFORMER_PARAMS)
+@pytest.mark.parametrize("recipe,data", [("qwen_edit.yaml", EDIT_DATA),
+                                         ("qwen_edit_plus.yaml", MULTI_EDIT_DATA)])  # two input images per edit
+def test_qwen_image_edit_fits_on_8_x_80(recipe, data):
+    """Qwen-Image-Edit with one input image per edit, and Edit-2509/2511 with two (qwen_edit_plus.yaml, which
+    fits without gradient checkpointing: 58.2 GiB in training)."""
+    check_editing_plan(recipe, data, QWEN_IMAGE_TRANSFORMER_PARAMS)
 
 
 def test_qwen_image_t2is_plan_counts_the_transformer_and_fits_on_8_x_80_from_the_cli():

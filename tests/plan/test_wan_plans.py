@@ -3,8 +3,8 @@ and Wan2.2-T2V-A14B at 480p and 720p, and Wan2.2-TI2V-5B's 121 frames at 704 x 1
 and 8 x 141 GiB (H200), and for Wan2.1 at 720p the sequence-parallel degrees tried without checkpointing.
 Each plan builds the checkpoint's real classes on meta from its published config, samples and scores a
 video and trains a micro-step on the real code path (2 min of CPU each).
-They are the `video` lane's (`make test-video`, outside CI: CI's time is spent). docs/gpu_plan.md
-tabulates them."""
+Wan2.1-14B at 480p is CI's plan tier's (`make test-plan`); the others are the `video` lane's
+(`make test-video`, outside CI for their time). docs/gpu_plan.md tabulates them."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +33,7 @@ def _verdicts(plan) -> tuple[str, str]:
     return verdict(plan), verdict(dataclasses.replace(plan, gpu_gib=141))
 
 
-@pytest.mark.video
+@pytest.mark.plan  # CI's plan tier holds this one (make test-plan); the others are the video lane's
 def test_wan21_14b_at_480p_fits_on_8_x_80_with_checkpointing_and_flash_attention():
     """81 frames at 480 x 832 (32,760 video tokens per sample): the 14B transformer gathered for
     sampling beside UMT5-XXL, and training's activations with checkpointing and the flash kernel."""
