@@ -1,8 +1,9 @@
 """Under the deepspeed launcher, 2 CPU ranks: parallel.sequence: 2 against the unsharded transformer.
 
-For each family (FLUX.1, Qwen-Image, FLUX.2 dev, Wan2.1 and Wan2.2's two experts: their tiny twins) every rank builds the policy twice
-as the trainer builds it, from the same seed: unsharded, on this rank alone (the reference), and with
-its tokens split over the two ranks inside a ZeRO-3 engine. Both sample one rollout batch through
+For each family (FLUX.1, Qwen-Image, FLUX.2 dev, Wan2.1, Wan2.2-A14B's two experts and Wan2.2-TI2V-5B:
+their tiny twins) every rank builds the policy twice as the trainer builds it, from the same seed:
+unsharded, on this rank alone (the reference), and with its tokens split over the two ranks inside a
+ZeRO-3 engine. Both sample one rollout batch through
 the trainer's Rollouts, and train one micro-step of the recipe's loss on the reference's rollout,
 the sharded one backpropagated as the trainer does (`group_loss`, DeepSpeed's mean over the ranks).
 Each rank writes sequence_rank<r>.json into the given folder: per family, the largest differences of
