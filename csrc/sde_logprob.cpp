@@ -284,6 +284,76 @@ void kl_bwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale,
   });
 }
 
+// ---------------------------------------------------------------- log-prob and KL in one pass (training)
+// The KL surrogate's two means share x: mean - mean_ref = cv (v - v_ref), so
+//   kl = f * sum((v - v_ref)^2),  f = cv^2 / (2 N std_t^2),
+// with neither mean in memory. The log-prob's terms and reduction tree are fwd_chunk's scoring ones,
+// so the log-prob is bitwise the one the rollout stored.
+float kl_factor(const Row& r, int64_t N) {
+  const double cv = r.cv, sd = r.std_t;
+  return float(cv * cv / (2 * static_cast<double>(N) * sd * sd));
+}
+
+template <typename T, typename S>
+void sde_kl_fwd_typed(const at::Tensor& x, const at::Tensor& v, const at::Tensor& vr, const at::Tensor& xnext,
+                      const Row* rows, float* log_prob, float* kl) {
+  const int64_t B = x.size(0), N = x.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const T* vp = static_cast<const T*>(v.const_data_ptr());
+  const T* rp = static_cast<const T*>(vr.const_data_ptr());
+  const S* np = static_cast<const S*>(xnext.const_data_ptr());
+  std::vector<float> partial(B * nchunk), kl_partial(B * nchunk);
+  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
+      const Row& r = rows[b];
+      float acc[kLanes] = {}, acc_kl[kLanes] = {};
+      auto term = [&](int64_t i, int l) {
+        acc[l] += fwd_elem<T, S, false, false>(xp, vp, np, nullptr, nullptr, i, r);
+        const float dv = widen(vp[i]) - widen(rp[i]);
+        acc_kl[l] += dv * dv;
+      };
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+        for (int l = 0; l < kLanes; ++l) term(off + i + l, l);
+      }
+      for (int l = 0; i + l < n; ++l) term(off + i + l, l);
+      partial[t] = lane_tree(acc);
+      kl_partial[t] = lane_tree(acc_kl);
+    }
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    log_prob[b] = -rows[b].k1 * pairwise(partial.data() + b * nchunk, nchunk) - rows[b].k0;
+    kl[b] = kl_factor(rows[b], N) * pairwise(kl_partial.data() + b * nchunk, nchunk);
+  }
+}
+
+// d log_prob / d v = cv e, d log_prob / d x = cx e with e = 2 k1 g (x' - mean) (as bwd_rows);
+// d kl / d v = 2 f g_kl (v - v_ref); x gets no gradient from the KL (both means share it).
+template <typename T, typename S, bool kGv, bool kGx>
+void sde_kl_bwd_rows(const at::Tensor& x, const at::Tensor& v, const at::Tensor& vr, const at::Tensor& xnext,
+                     const Row* rows, const float* g_lp, const float* g_kl, T* gv, T* gx) {
+  const int64_t B = x.size(0), N = x.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const T* vp = static_cast<const T*>(v.const_data_ptr());
+  const T* rp = static_cast<const T*>(vr.const_data_ptr());
+  const S* np = static_cast<const S*>(xnext.const_data_ptr());
+  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
+      const Row& r = rows[b];
+      const float gd = 2.f * r.k1 * g_lp[b], gk = 2.f * kl_factor(r, N) * g_kl[b];
+#pragma omp simd
+      for (int64_t i = off; i < off + n; ++i) {
+        const float e = gd * (widen(np[i]) - (r.cx * widen(xp[i]) + r.cv * widen(vp[i])));
+        if constexpr (kGv) gv[i] = narrow<T>(r.cv * e + gk * (widen(vp[i]) - widen(rp[i])));
+        if constexpr (kGx) gx[i] = narrow<T>(r.cx * e);
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------- dtype dispatch and checks
 void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, " must be a contiguous CPU tensor");
@@ -382,6 +452,55 @@ void kl_bwd(const at::Tensor& m, const at::Tensor& mr, const at::Tensor& std_t, 
   });
 }
 
+void sde_kl_fwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& v_ref, const at::Tensor& xnext,
+                const at::Tensor& sig, double noise_level, int64_t sde_type, at::Tensor& log_prob, at::Tensor& std_t,
+                at::Tensor& kl) {
+  check_rows(x, x, "x");
+  check_rows(v, x, "v");
+  check_rows(v_ref, x, "v_ref");
+  check_rows(xnext, x, "prev_sample");
+  TORCH_CHECK(v.scalar_type() == x.scalar_type() && v_ref.scalar_type() == x.scalar_type(),
+              "x, v and v_ref must share a dtype");
+  for (const at::Tensor* t : {&log_prob, &std_t, &kl})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == x.size(0),
+                "log_prob, std and kl must be contiguous float32 [B] tensors");
+  const std::vector<Row> rows = rows_of(sig, noise_level, sde_type, x.size(0), x.size(1));
+  for (int64_t b = 0; b < x.size(0); ++b) std_t.mutable_data_ptr<float>()[b] = rows[b].std_t;
+  dispatch2(x.scalar_type(), xnext.scalar_type(), [&](auto t, auto s) {
+    sde_kl_fwd_typed<decltype(t), decltype(s)>(x, v, v_ref, xnext, rows.data(), log_prob.mutable_data_ptr<float>(),
+                                               kl.mutable_data_ptr<float>());
+  });
+}
+
+void sde_kl_bwd(const at::Tensor& x, const at::Tensor& v, const at::Tensor& v_ref, const at::Tensor& xnext,
+                const at::Tensor& sig, double noise_level, int64_t sde_type, const at::Tensor& grad_log_prob,
+                const at::Tensor& grad_kl, const std::optional<at::Tensor>& grad_v,
+                const std::optional<at::Tensor>& grad_x) {
+  check_rows(x, x, "x");
+  check_rows(v, x, "v");
+  check_rows(v_ref, x, "v_ref");
+  check_rows(xnext, x, "prev_sample");
+  TORCH_CHECK(v.scalar_type() == x.scalar_type() && v_ref.scalar_type() == x.scalar_type(),
+              "x, v and v_ref must share a dtype");
+  if (grad_v) check_rows(*grad_v, x, "grad_v");
+  if (grad_x) check_rows(*grad_x, x, "grad_x");
+  for (const at::Tensor* t : {&grad_log_prob, &grad_kl})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == x.size(0),
+                "grad_log_prob and grad_kl must be contiguous float32 [B] tensors");
+  const std::vector<Row> rows = rows_of(sig, noise_level, sde_type, x.size(0), x.size(1));
+  dispatch2(x.scalar_type(), xnext.scalar_type(), [&](auto t, auto s) {
+    using T = decltype(t);
+    using S = decltype(s);
+    T* gvp = grad_v ? static_cast<T*>(grad_v->mutable_data_ptr()) : nullptr;
+    T* gxp = grad_x ? static_cast<T*>(grad_x->mutable_data_ptr()) : nullptr;
+    const float* g = grad_log_prob.const_data_ptr<float>();
+    const float* gk = grad_kl.const_data_ptr<float>();
+    if (gvp && gxp) sde_kl_bwd_rows<T, S, true, true>(x, v, v_ref, xnext, rows.data(), g, gk, gvp, gxp);
+    else if (gvp) sde_kl_bwd_rows<T, S, true, false>(x, v, v_ref, xnext, rows.data(), g, gk, gvp, gxp);
+    else if (gxp) sde_kl_bwd_rows<T, S, false, true>(x, v, v_ref, xnext, rows.data(), g, gk, gvp, gxp);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(paco_kernels, m) {
@@ -392,6 +511,12 @@ TORCH_LIBRARY(paco_kernels, m) {
   m.def("sde_bwd(Tensor x, Tensor v, Tensor prev_sample, Tensor sig, float noise_level, int sde_type, "
         "Tensor grad_log_prob, Tensor? grad_mean, Tensor(a!)? grad_v, Tensor(b!)? grad_x) -> ()",
         &sde_bwd);
+  m.def("sde_kl_fwd(Tensor x, Tensor v, Tensor v_ref, Tensor prev_sample, Tensor sig, float noise_level, "
+        "int sde_type, Tensor(a!) log_prob, Tensor(b!) std, Tensor(c!) kl) -> ()",
+        &sde_kl_fwd);
+  m.def("sde_kl_bwd(Tensor x, Tensor v, Tensor v_ref, Tensor prev_sample, Tensor sig, float noise_level, "
+        "int sde_type, Tensor grad_log_prob, Tensor grad_kl, Tensor(a!)? grad_v, Tensor(b!)? grad_x) -> ()",
+        &sde_kl_bwd);
   m.def("kl_fwd(Tensor mean, Tensor mean_ref, Tensor std, Tensor(a!) out) -> ()", &kl_fwd);
   m.def("kl_bwd(Tensor mean, Tensor mean_ref, Tensor std, Tensor grad_out, Tensor(a!)? grad_mean, "
         "Tensor(b!)? grad_mean_ref) -> ()",

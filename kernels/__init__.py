@@ -37,6 +37,7 @@ BACKENDS = ("auto", "triton", "cpp", "torch")
 KERNELS = {
     "sde_step": ("triton", "cpp"),
     "kl_to_reference": ("triton", "cpp"),
+    "sde_step_kl": ("triton", "cpp"),
     "ppo_clip_loss": ("triton",),
     "grpo_advantages": ("triton",),
     "weighted_linear_ce": ("triton",),
@@ -183,6 +184,28 @@ def sde_step(x, v, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sampl
         return step if return_mean else SDEStep(step.prev_sample, step.log_prob, None, step.std)
     return _sde.sde_logprob(x, v, sigma, sigma_next, noise_level, sigma_max, prev_sample=prev_sample, noise=noise,
                             sde_type=sde_type, return_mean=return_mean, backend=which)
+
+
+def sde_step_kl(x, v, v_ref, sigma, sigma_next, noise_level, sigma_max=None, *, prev_sample, sde_type="flow_grpo",
+                backend="auto"):
+    """(SDEStep without its mean, per-sample KL): the scored step of `sde_step` and `kl_to_reference` from its
+    mean to the mean of the reference velocity `v_ref` (from the same x), in one fused pass that keeps
+    neither mean; see kernels/sde_logprob.py sde_logprob_kl. The log-prob is bitwise `sde_step`'s on the
+    same backend. v_ref is the frozen reference's: computed under no_grad."""
+    from . import sde_logprob as _sde
+    from .sde_reference import sde_step_kl as _ref
+
+    which = _dispatch("sde_step_kl", x.device, backend)
+    if which != "torch" and not (_sde.supports(x, v) and v_ref.dtype == x.dtype):
+        if backend != "auto":
+            _warn_once(("sde_step_kl", backend, x.dtype, v.dtype, v_ref.dtype),
+                       f"kernels: sde_step_kl runs the torch reference: '{which}' takes x, v and v_ref of one dtype "
+                       f"among fp32, bf16, fp16, not {x.dtype}, {v.dtype} and {v_ref.dtype}")
+        which = "torch"
+    if which == "torch":
+        return _ref(x, v, v_ref, sigma, sigma_next, noise_level, sigma_max, prev_sample=prev_sample, sde_type=sde_type)
+    return _sde.sde_logprob_kl(x, v, v_ref, sigma, sigma_next, noise_level, sigma_max, prev_sample=prev_sample,
+                               sde_type=sde_type, backend=which)
 
 
 def kl_to_reference(mean, mean_ref, std, backend="auto"):

@@ -195,3 +195,76 @@ def kl_bwd(a_ptr, b_ptr, std_ptr, g_ptr, ga_ptr, gb_ptr, N,
         tl.store(ga_ptr + row + offs, narrow(k * d, ga_ptr.dtype.element_ty), mask=m)
     if WRITE_GB:
         tl.store(gb_ptr + row + offs, narrow(-(k * d), gb_ptr.dtype.element_ty), mask=m)
+
+
+# ------------------------------------------------------------------ log-prob and KL in one pass (training)
+# The KL surrogate's two means share x: mean - mean_ref = cv (v - v_ref), so
+#     kl = cv^2 / (2 N std_t^2) * sum((v - v_ref)^2)
+# needs neither mean in memory. One pass reads x, v, v_ref and the stored x' and writes two fp32
+# partials per chunk; the log-prob partial is sde_fwd's scoring arithmetic, so the log-prob is
+# bitwise the one the rollout stored.
+@triton.jit
+def kl_factor(coef_ptr, b, N):
+    # cv^2 / (2 N std_t^2), in fp64 as kl_scale
+    cv = tl.load(coef_ptr + b * 6 + 1).to(tl.float64)
+    sd = tl.load(coef_ptr + b * 6 + 5).to(tl.float64)
+    return (cv * cv / (2.0 * tl.cast(N, tl.float64) * sd * sd)).to(tl.float32)
+
+
+@triton.jit
+def sde_kl_fwd(x_ptr, v_ptr, vr_ptr, xn_ptr, coef_ptr, partial_ptr, kl_partial_ptr, N, n_chunk,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    b = tl.program_id(1)
+    cx = tl.load(coef_ptr + b * 6)
+    cv = tl.load(coef_ptr + b * 6 + 1)
+    row = b.to(tl.int64) * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_kl = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, CHUNK, BLOCK):
+        offs = c * CHUNK + start + tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        xn = tl.load(xn_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        d = xn - (cx * x + cv * v)
+        acc += d * d
+        dv = v - tl.load(vr_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        acc_kl += dv * dv
+    tl.store(partial_ptr + b * n_chunk + c, tl.sum(acc, axis=0))
+    tl.store(kl_partial_ptr + b * n_chunk + c, tl.sum(acc_kl, axis=0))
+
+
+@triton.jit
+def sde_kl_finalize(partial_ptr, kl_partial_ptr, coef_ptr, lp_ptr, std_ptr, kl_ptr, N, n_chunk,
+                    BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    k1 = tl.load(coef_ptr + b * 6 + 3)
+    k0 = tl.load(coef_ptr + b * 6 + 4)
+    tl.store(lp_ptr + b, -k1 * row_sum(partial_ptr, b, n_chunk, BLOCK) - k0)
+    tl.store(std_ptr + b, tl.load(coef_ptr + b * 6 + 5))
+    tl.store(kl_ptr + b, kl_factor(coef_ptr, b, N) * row_sum(kl_partial_ptr, b, n_chunk, BLOCK))
+
+
+@triton.jit
+def sde_kl_bwd(x_ptr, v_ptr, vr_ptr, xn_ptr, coef_ptr, g_ptr, gk_ptr, gv_ptr, gx_ptr, N,
+               WRITE_GV: tl.constexpr, WRITE_GX: tl.constexpr, BLOCK: tl.constexpr):
+    # d lp / d v = cv e, d lp / d x = cx e with e = 2 k1 g (x' - mean); d kl / d v = 2 f g_kl (v - v_ref)
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    cx = tl.load(coef_ptr + b * 6)
+    cv = tl.load(coef_ptr + b * 6 + 1)
+    gd = 2.0 * tl.load(coef_ptr + b * 6 + 3) * tl.load(g_ptr + b)
+    gk = 2.0 * kl_factor(coef_ptr, b, N) * tl.load(gk_ptr + b)
+    row = b.to(tl.int64) * N
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+    xn = tl.load(xn_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+    e = gd * (xn - (cx * x + cv * v))
+    if WRITE_GV:
+        vr = tl.load(vr_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(gv_ptr + row + offs, narrow(cv * e + gk * (v - vr), gv_ptr.dtype.element_ty), mask=m)
+    if WRITE_GX:
+        tl.store(gx_ptr + row + offs, narrow(cx * e, gx_ptr.dtype.element_ty), mask=m)

@@ -41,13 +41,14 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "bench" / "results"
 ARCHS = (90, 80)
 # The kernels on the training step's path at full size: a spill there is a defect, not a note.
-HOT = ("sde_fwd", "sde_bwd", "kl_fwd", "kl_bwd", "ppo_fwd", "ppo_bwd", "ce_rows")
+HOT = ("sde_fwd", "sde_bwd", "kl_fwd", "kl_bwd", "sde_kl_fwd", "sde_kl_bwd", "ppo_fwd", "ppo_bwd", "ce_rows")
 # Bytes of spill stores + loads per thread tolerated elsewhere: the advantage kernel (once per
 # epoch) keeps a few around ptxas's fp64 division / square-root subroutines.
 SPILL_BUDGET = {"grpo_advantages": 32}
 # Kernel source files (relative to kernels/) and the kernels each defines.
 SOURCES = {
-    "_triton_sde.py": ("sde_coefficients", "sde_fwd", "sde_finalize", "sde_bwd", "kl_fwd", "kl_finalize", "kl_bwd"),
+    "_triton_sde.py": ("sde_coefficients", "sde_fwd", "sde_finalize", "sde_bwd", "kl_fwd", "kl_finalize", "kl_bwd",
+                       "sde_kl_fwd", "sde_kl_finalize", "sde_kl_bwd"),
     "_triton_grpo.py": ("grpo_advantages", "ppo_fwd", "ppo_bwd"),
     "_triton_weighted_ce.py": ("ce_rows",),
 }
@@ -108,6 +109,11 @@ SDE_BWD = ["x_ptr", "v_ptr", "xn_ptr", "coef_ptr", "g_ptr", "gm_ptr", "gv_ptr", 
 KL_FWD = ["a_ptr", "b_ptr", "partial_ptr", "N", "n_chunk", "CHUNK", "BLOCK"]
 KL_FIN = ["partial_ptr", "std_ptr", "out_ptr", "N", "n_chunk", "BLOCK"]
 KL_BWD = ["a_ptr", "b_ptr", "std_ptr", "g_ptr", "ga_ptr", "gb_ptr", "N", "WRITE_GA", "WRITE_GB", "BLOCK"]
+SDE_KL_FWD = ["x_ptr", "v_ptr", "vr_ptr", "xn_ptr", "coef_ptr", "partial_ptr", "kl_partial_ptr", "N", "n_chunk", "CHUNK",
+              "BLOCK"]
+SDE_KL_FIN = ["partial_ptr", "kl_partial_ptr", "coef_ptr", "lp_ptr", "std_ptr", "kl_ptr", "N", "n_chunk", "BLOCK"]
+SDE_KL_BWD = ["x_ptr", "v_ptr", "vr_ptr", "xn_ptr", "coef_ptr", "g_ptr", "gk_ptr", "gv_ptr", "gx_ptr", "N", "WRITE_GV",
+              "WRITE_GX", "BLOCK"]
 ADV = ["r_ptr", "w_ptr", "g_ptr", "param_ptr", "adv_ptr", "comb_ptr", "cv_ptr", "tamed_ptr", "tau_ptr", "K", "N",
        "TAME", "GLOBAL_STD", "BLOCK_K", "BLOCK"]
 PPO_FWD = ["lp_ptr", "old_ptr", "adv_ptr", "out_ptr", "B", "lo", "hi", "clip_range", "adv_clip", "BLOCK"]
@@ -115,7 +121,8 @@ PPO_BWD = ["lp_ptr", "old_ptr", "adv_ptr", "g_ptr", "grad_ptr", "B", "lo", "hi",
 CE = ["logits_ptr", "stride", "labels_ptr", "coef_ptr", "ce_ptr", "pred_ptr", "V", "WRITE_GRAD", "BLOCK"]
 ORDER = {"sde_coefficients": SDE_COEF, "sde_fwd": SDE_FWD, "sde_finalize": SDE_FIN, "sde_bwd": SDE_BWD, "kl_fwd": KL_FWD,
          "kl_finalize": KL_FIN,
-         "kl_bwd": KL_BWD, "grpo_advantages": ADV, "ppo_fwd": PPO_FWD, "ppo_bwd": PPO_BWD, "ce_rows": CE}
+         "kl_bwd": KL_BWD, "sde_kl_fwd": SDE_KL_FWD, "sde_kl_finalize": SDE_KL_FIN, "sde_kl_bwd": SDE_KL_BWD,
+         "grpo_advantages": ADV, "ppo_fwd": PPO_FWD, "ppo_bwd": PPO_BWD, "ce_rows": CE}
 
 
 def _p(t: str) -> str:
@@ -142,6 +149,16 @@ def launches() -> list[Launch]:
                                  prev_ptr=_p(dt), mean_ptr="*fp32", N="i32", n_chunk="i32")
                         out.append(_sig("sde_fwd", t, dict(SAMPLE=sample, WRITE_MEAN=mean, CHUNK=G.SDE_CHUNK,
                                                            BLOCK=G.SDE_BLOCK), SDE_FWD, aligned=al))
+            # log-prob and KL in one pass (training): x' is the stored one, in x's dtype or fp32
+            for al in n_al:
+                t = dict(x_ptr=_p(dt), v_ptr=_p(dt), vr_ptr=_p(dt), xn_ptr=_p(src), coef_ptr="*fp32",
+                         partial_ptr="*fp32", kl_partial_ptr="*fp32", N="i32", n_chunk="i32")
+                out.append(_sig("sde_kl_fwd", t, dict(CHUNK=G.SDE_CHUNK, BLOCK=G.SDE_BLOCK), SDE_KL_FWD, aligned=al))
+                for gv, gx in ((True, False), (False, True), (True, True)):
+                    t = dict(x_ptr=_p(dt), v_ptr=_p(dt), vr_ptr=_p(dt), xn_ptr=_p(src), coef_ptr="*fp32",
+                             g_ptr="*fp32", gk_ptr="*fp32", gv_ptr=_p(dt), gx_ptr=_p(dt), N="i32")
+                    out.append(_sig("sde_kl_bwd", t, dict(WRITE_GV=gv, WRITE_GX=gx, BLOCK=G.SDE_BLOCK), SDE_KL_BWD,
+                                    aligned=al))
             # backward: xn is x' as saved (the sampled x' in x's dtype, or the scored src)
             for has_gm in (False, True):
                 for gv, gx in ((True, False), (False, True), (True, True)):
@@ -173,6 +190,9 @@ def launches() -> list[Launch]:
         out.append(_sig("sde_finalize", t, dict(BLOCK=block), SDE_FIN))
         t = dict(partial_ptr="*fp32", std_ptr="*fp32", out_ptr="*fp32", N="i32", n_chunk="i32")
         out.append(_sig("kl_finalize", t, dict(BLOCK=block), KL_FIN))
+        t = dict(partial_ptr="*fp32", kl_partial_ptr="*fp32", coef_ptr="*fp32", lp_ptr="*fp32", std_ptr="*fp32",
+                 kl_ptr="*fp32", N="i32", n_chunk="i32")
+        out.append(_sig("sde_kl_finalize", t, dict(BLOCK=block), SDE_KL_FIN))
     for tame in (0, 1, 2, 3):
         for global_std in (False, True):
             for bk in G.ADV_BLOCK_KS:

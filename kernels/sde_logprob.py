@@ -100,6 +100,34 @@ class _TritonImpl:
                                                BLOCK=TRITON_BLOCK)
         return gv, gx
 
+    @classmethod
+    def sde_kl_fwd(cls, x, v, vr, xn, sig, a: float, sde_type: int):
+        from kernels import _triton_sde as k
+
+        b, n = x.shape
+        n_chunk = _cdiv(n, TRITON_CHUNK)
+        coef = cls._coefficients(k, x, sig, a, sde_type)
+        partial = torch.empty(2, b, n_chunk, dtype=torch.float32, device=x.device)
+        log_prob, std, kl = (torch.empty(b, dtype=torch.float32, device=x.device) for _ in range(3))
+        k.sde_kl_fwd[(n_chunk, b)](x, v, vr, xn, coef, partial[0], partial[1], n, n_chunk, CHUNK=TRITON_CHUNK,
+                                   BLOCK=TRITON_BLOCK)
+        k.sde_kl_finalize[(b,)](partial[0], partial[1], coef, log_prob, std, kl, n, n_chunk,
+                                BLOCK=G.finalize_block(n_chunk))
+        return log_prob, std, kl
+
+    @classmethod
+    def sde_kl_bwd(cls, x, v, vr, xn, sig, a: float, sde_type: int, g, g_kl, need_v: bool, need_x: bool):
+        from kernels import _triton_sde as k
+
+        b, n = x.shape
+        coef = cls._coefficients(k, x, sig, a, sde_type)
+        gv = torch.empty_like(v) if need_v else None
+        gx = torch.empty_like(x) if need_x else None
+        k.sde_kl_bwd[(_cdiv(n, TRITON_BLOCK), b)](x, v, vr, xn, coef, g, g_kl, gv if need_v else x,
+                                                  gx if need_x else x, n, WRITE_GV=need_v, WRITE_GX=need_x,
+                                                  BLOCK=TRITON_BLOCK)
+        return gv, gx
+
     @staticmethod
     def kl_fwd(m, mr, std):
         from kernels import _triton_sde as k
@@ -147,6 +175,19 @@ class _CppImpl:
         gv = torch.empty_like(v) if need_v else None
         gx = torch.empty_like(x) if need_x else None
         cls._ops().sde_bwd(x, v, xn, sig, a, sde_type, g, g_mean, gv, gx)
+        return gv, gx
+
+    @classmethod
+    def sde_kl_fwd(cls, x, v, vr, xn, sig, a: float, sde_type: int):
+        log_prob, std, kl = (torch.empty(x.shape[0], dtype=torch.float32) for _ in range(3))
+        cls._ops().sde_kl_fwd(x, v, vr, xn, sig, a, sde_type, log_prob, std, kl)
+        return log_prob, std, kl
+
+    @classmethod
+    def sde_kl_bwd(cls, x, v, vr, xn, sig, a: float, sde_type: int, g, g_kl, need_v: bool, need_x: bool):
+        gv = torch.empty_like(v) if need_v else None
+        gx = torch.empty_like(x) if need_x else None
+        cls._ops().sde_kl_bwd(x, v, vr, xn, sig, a, sde_type, g, g_kl, gv, gx)
         return gv, gx
 
     @classmethod
@@ -285,6 +326,54 @@ def _kl_backward(ctx, g):
 _kl_op.register_autograd(_kl_backward, setup_context=_kl_setup_context)
 
 
+@torch.library.custom_op("paco::sde_logprob_kl", mutates_args=())
+def _sde_kl_op(x: torch.Tensor, v: torch.Tensor, vr: torch.Tensor, xn: torch.Tensor, sig: torch.Tensor, a: float,
+               sde_type: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_prob [B], std_t [B], kl [B]) of a scored transition and its KL surrogate to the reference
+    velocity vr, in one pass (kernels/_triton_sde.py sde_kl_fwd)."""
+    return IMPLS[backend].sde_kl_fwd(x, v, vr, xn, sig, a, sde_type)
+
+
+@_sde_kl_op.register_fake
+def _(x, v, vr, xn, sig, a, sde_type, backend):
+    check_devices(torch.ops.paco.sde_logprob_kl.default, x, v, vr, xn, sig)
+    return tuple(x.new_empty((x.shape[0],), dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("paco::sde_logprob_kl_backward", mutates_args=())
+def _sde_kl_bwd_op(x: torch.Tensor, v: torch.Tensor, vr: torch.Tensor, xn: torch.Tensor, sig: torch.Tensor, a: float,
+                   sde_type: int, g: torch.Tensor, g_kl: torch.Tensor, need_v: bool, need_x: bool,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gv, gx = IMPLS[backend].sde_kl_bwd(x, v, vr, xn, sig, a, sde_type, g, g_kl, need_v, need_x)
+    return (_empty_like_row(v, v.dtype) if gv is None else gv, _empty_like_row(x, x.dtype) if gx is None else gx)
+
+
+@_sde_kl_bwd_op.register_fake
+def _(x, v, vr, xn, sig, a, sde_type, g, g_kl, need_v, need_x, backend):
+    return (torch.empty_like(v) if need_v else _empty_like_row(v, v.dtype),
+            torch.empty_like(x) if need_x else _empty_like_row(x, x.dtype))
+
+
+def _sde_kl_setup_context(ctx, inputs, output):
+    x, v, vr, xn, sig, a, sde_type, backend = inputs
+    ctx.a, ctx.sde_type, ctx.backend = a, sde_type, backend
+    ctx.save_for_backward(x, v, vr, xn, sig)
+
+
+def _sde_kl_backward(ctx, g_lp, _g_std, g_kl):
+    # v_ref is the frozen reference's velocity and x' is data: neither gets a gradient
+    x, v, vr, xn, sig = ctx.saved_tensors
+    need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    zeros = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    g = zeros if g_lp is None else g_lp.float().contiguous()
+    gk = zeros if g_kl is None else g_kl.float().contiguous()
+    gv, gx = _sde_kl_bwd_op(x, v, vr, xn, sig, ctx.a, ctx.sde_type, g, gk, need_v, need_x, ctx.backend)
+    return gx if need_x else None, gv if need_v else None, None, None, None, None, None, None
+
+
+_sde_kl_op.register_autograd(_sde_kl_backward, setup_context=_sde_kl_setup_context)
+
+
 # ------------------------------------------------------------------------------------------ entry points
 def supports(x: torch.Tensor, v: torch.Tensor) -> bool:
     """The fused op takes x and v of one dtype among fp32, bf16, fp16 (the dispatcher routes the rest to torch)."""
@@ -326,3 +415,23 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tenso
     work = mean.dtype if mean.dtype == mean_ref.dtype and mean.dtype in NATIVE_DTYPES else torch.float32
     return _kl_op(_rows(mean, (work,)), _rows(mean_ref, (work,)), std.detach().reshape(-1).float().contiguous(),
                   backend)
+
+
+def sde_logprob_kl(x: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, noise_level: float,
+                   sigma_max=None, *, prev_sample: torch.Tensor, sde_type: str = "flow_grpo",
+                   backend: str) -> tuple[SDEStep, torch.Tensor]:
+    """The scored transition x -> prev_sample with its log-prob (as `sde_logprob`) and the KL surrogate
+    mean((mean - mean_ref)^2) / (2 std_t^2) to the transition of the reference velocity `v_ref` from the
+    same x, in one pass that keeps neither mean. x, v and v_ref share a dtype (`supports`); v_ref is the
+    frozen reference's and must not require a gradient (its gradient would be dropped)."""
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"unknown sde_type {sde_type!r} (flow_grpo or cps)")
+    if noise_level <= 0:
+        raise ValueError("the fused transition needs noise_level > 0 (an ODE step has no log-prob)")
+    if v_ref.requires_grad:
+        raise ValueError("v_ref must not require a gradient: the KL's reference is frozen (compute it under no_grad)")
+    log_prob, std, kl = _sde_kl_op(_rows(x, NATIVE_DTYPES), _rows(v, NATIVE_DTYPES), _rows(v_ref, NATIVE_DTYPES),
+                                   _rows(prev_sample.detach(), (x.dtype, torch.float32)),
+                                   _sigmas(x, sigma, sigma_next, sigma_max), float(noise_level), SDE_TYPES[sde_type],
+                                   backend)
+    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=None, std=std.detach()), kl

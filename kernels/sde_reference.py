@@ -103,3 +103,17 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tenso
     b = mean.shape[0]
     sq = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)))
     return sq / (2 * std.reshape(b) ** 2)
+
+
+def sde_step_kl(x: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, noise_level: float,
+                sigma_max=None, *, prev_sample: torch.Tensor, sde_type: str = "flow_grpo") -> tuple[SDEStep, torch.Tensor]:
+    """The scored step of `sde_step` and `kl_to_reference` from its mean to the mean of the reference
+    velocity `v_ref` from the same x: (the step, without its mean; the per-sample KL)."""
+    if noise_level == 0:
+        raise ValueError("the KL surrogate needs an SDE step (noise_level > 0): an ODE step has std 0")
+    if sigma_max is None:
+        sigma_max = sigma
+    step = sde_step(x, v, sigma, sigma_next, noise_level, sigma_max, prev_sample=prev_sample, sde_type=sde_type)
+    mean_ref, _, _ = transition_stats(x, v_ref, sigma, sigma_next, noise_level, sigma_max, sde_type)
+    kl = kl_to_reference(step.mean, mean_ref, step.std)
+    return SDEStep(step.prev_sample, step.log_prob, None, step.std), kl

@@ -290,3 +290,61 @@ def check_ppo(backend, device="cpu", b=37, seed=0, clip_range=1e-4, adv_clip=5.0
         assert abs(stats[key].item() - want[key].item()) <= 1e-6 * abs(want[key].item())
     assert rel_err(loss, loss64) < 1e-6
     assert rel_err(lpk.grad, lp64.grad) < 1e-6 and rel_err(oldk.grad, old64.grad) < 1e-6
+
+
+def check_sde_kl(backend, dtype, sde_type, shape, device="cpu", seed=0):
+    """The fused log-prob + KL: the log-prob bitwise `sde_step`'s on the same backend, the KL and the
+    gradients of both (through v and x) as in float64, v_ref frozen."""
+    import kernels
+
+    require_backend("sde_step_kl", backend, device)
+    x, v, noise = inputs(shape, dtype, seed, device)
+    g = torch.Generator().manual_seed(seed + 2)
+    v_ref = (v.float() + 0.05 * torch.randn(shape, generator=g).to(device)).to(dtype)
+    sig, sig_next = sigmas(shape[0], device)
+    prev = sde_ref64(x, v, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, sde_type, noise=noise)[0].to(dtype)
+    w_lp, w_kl = torch.randn(shape[0], generator=g).to(device), torch.randn(shape[0], generator=g).to(device)
+
+    xk, vk = x.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    step, kl = kernels.sde_step_kl(xk, vk, v_ref, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, prev_sample=prev,
+                                   sde_type=sde_type, backend=backend)
+    ((step.log_prob * w_lp).sum() + (kl * w_kl).sum()).backward()
+
+    x64, v64 = x.double().requires_grad_(True), v.double().requires_grad_(True)
+    _, lp64, mean64, std64 = sde_ref64(x64, v64, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, sde_type, prev=prev)
+    mean_ref64 = sde_ref64(x.double(), v_ref.double(), sig, sig_next, NOISE_LEVEL, SIGMA_MAX, sde_type, prev=prev)[2]
+    kl64 = ((mean64 - mean_ref64) ** 2).mean(dim=tuple(range(1, len(shape)))) / (2 * std64**2)
+    ((lp64 * w_lp.double()).sum() + (kl64 * w_kl.double()).sum()).backward()
+
+    assert step.mean is None and step.prev_sample is prev
+    assert kl.dtype == torch.float32 and kl.shape == (shape[0],) and (kl > 0).all()
+    assert rel_err(step.log_prob, lp64) < 1e-6 and rel_err(step.std, std64) < 1e-6
+    # the KL's terms are cv (v - v_ref), exact in fp32 for inputs of one dtype: only the sum rounds
+    assert rel_err(kl, kl64) < 1e-5
+    assert vk.grad.dtype == xk.grad.dtype == dtype
+    if dtype == torch.float32:
+        assert rel_err(vk.grad, v64.grad) < 1e-5
+    else:
+        assert_rounded(vk.grad, v64.grad)
+    # x's gradient is the log-prob's alone (the KL's two means share x): the plain step's, whose fp32
+    # residual x' - mean cancels values of order 1 down to the noise's size (0.05-0.5 % of float64 here)
+    xp = x.clone().requires_grad_(True)
+    (kernels.sde_step(xp, v, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, prev_sample=prev, sde_type=sde_type,
+                      backend=backend, return_mean=False).log_prob * w_lp).sum().backward()
+    assert rel_err(xk.grad, x64.grad) < 1e-2
+    if backend != "torch":  # the fused backward does the plain one's arithmetic for x
+        assert torch.equal(xk.grad, xp.grad)
+    else:  # autograd rounds the reference's bf16 / fp16 gradients in another order
+        assert rel_err(xk.grad, xp.grad) < 2e-3
+    # the log-prob the rollout stored, recomputed in training: the same bits with and without the KL
+    plain = kernels.sde_step(x, v, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, prev_sample=prev, sde_type=sde_type,
+                             backend=backend, return_mean=False)
+    assert torch.equal(step.log_prob.detach(), plain.log_prob)
+    # and the KL matches the unfused kernels' (both means written, then kl_to_reference)
+    with torch.no_grad():
+        m = kernels.sde_step(x, v, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, prev_sample=prev, sde_type=sde_type,
+                             backend=backend)
+        mr = kernels.sde_step(x, v_ref, sig, sig_next, NOISE_LEVEL, SIGMA_MAX, prev_sample=prev, sde_type=sde_type,
+                              backend=backend)
+        unfused = kernels.kl_to_reference(m.mean, mr.mean, m.std, backend=backend)
+    assert rel_err(kl.detach(), unfused) < 1e-4

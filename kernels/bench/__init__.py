@@ -6,7 +6,7 @@ Results of the runs committed with the project are in kernels/bench/results/<dev
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SDE_OPS = ("sde_fwd", "sde_fwd_bwd", "sde_sample", "kl_fwd_bwd")
+SDE_OPS = ("sde_fwd", "sde_fwd_bwd", "sde_sample", "kl_fwd_bwd", "sde_kl_fwd_bwd")
 OPS = SDE_OPS + ("grpo_advantages", "ppo_fwd_bwd")
 
 # Each op's target, in one place: its fused kernel (Triton on CUDA, C++ on CPU) takes at most the time of

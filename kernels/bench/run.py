@@ -17,12 +17,12 @@ import kernels
 from kernels.bench import OP_TARGETS, SDE_OPS, op_targets, target_met, targets_line
 from kernels.bench.source import source_state
 from kernels.grpo import ppo_clip_loss_torch as ppo_ref
-from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref
+from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref, sde_step_kl as sde_kl_ref
 
 C = 64  # FLUX packed latent channels
 NOISE_LEVEL, SIGMA, SIGMA_NEXT = 0.7, 0.9441, 0.8825  # step 1 of FLUX's 512 px, 10-step schedule
 KERNEL_OP = {"sde_fwd": "sde_step", "sde_fwd_bwd": "sde_step", "sde_sample": "sde_step",  # bench op -> kernels op
-             "kl_fwd_bwd": "kl_to_reference", "grpo_advantages": "grpo_advantages", "ppo_fwd_bwd": "ppo_clip_loss"}
+             "kl_fwd_bwd": "kl_to_reference", "sde_kl_fwd_bwd": "sde_step_kl", "grpo_advantages": "grpo_advantages", "ppo_fwd_bwd": "ppo_clip_loss"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -146,11 +146,45 @@ def sde_case(op: str, b: int, px: int, dtype, device, fused: list[str], compiled
             call().sum().backward()
         return run
 
+    vr = (v.float() + 0.05 * torch.randn(shape, generator=g).to(device)).to(dtype)
+
+    def score_kl(backend):
+        # the training step with train.kl_beta > 0: log-prob and KL to the reference velocity, backward to v
+        if backend.endswith(" unfused"):  # the same backend's kernels as the loss ran them before the fused op
+            return score_kl_unfused(backend.split()[0])
+        call = {"torch": lambda: _lp_plus_kl(sde_kl_ref(x, vg, vr, sig, sig_next, NOISE_LEVEL, sig, prev_sample=prev)),
+                "torch.compile": lambda: compiled["score_kl"](x, vg, vr, sig, sig_next, prev)}.get(
+            backend, lambda: _lp_plus_kl(kernels.sde_step_kl(x, vg, vr, sig, sig_next, NOISE_LEVEL, sig,
+                                                             prev_sample=prev, backend=backend)))
+
+        def run():
+            vg.grad = None
+            call().sum().backward()
+        return run
+
+    def score_kl_unfused(backend):
+        def run():
+            vg.grad = None
+            step = kernels.sde_step(x, vg, sig, sig_next, NOISE_LEVEL, sig, prev_sample=prev, backend=backend)
+            with torch.no_grad():
+                ref = kernels.sde_step(x, vr, sig, sig_next, NOISE_LEVEL, sig, prev_sample=prev, backend=backend)
+            kl = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=backend)
+            (step.log_prob + kl).sum().backward()
+        return run
+
     backends = ["torch"] + (["torch.compile"] if compiled else []) + fused
+    if op == "sde_kl_fwd_bwd":
+        backends += [f"{b} unfused" for b in fused]
     make, nbytes = {"sde_fwd": (score, 3 * n * e), "sde_fwd_bwd": (fwd_bwd, 7 * n * e),
-                    "sde_sample": (sample, 4 * n * e), "kl_fwd_bwd": (kl, 5 * n * 4)}[op]
+                    "sde_sample": (sample, 4 * n * e), "kl_fwd_bwd": (kl, 5 * n * 4),
+                    "sde_kl_fwd_bwd": (score_kl, 9 * n * e)}[op]
     with torch.set_grad_enabled(op.endswith("bwd")):
         return nbytes, {name: _no_grad_unless(op, make(name)) for name in backends}
+
+
+def _lp_plus_kl(out):
+    step, kl = out
+    return step.log_prob + kl
 
 
 def _no_grad_unless(op: str, fn):
@@ -205,6 +239,8 @@ def compiled_refs() -> dict:
         "sample": torch.compile(lambda x, v, s, sn, noise: sde_ref(x, v, s, sn, NOISE_LEVEL, s,
                                                                    noise=noise).prev_sample, **dyn),
         "kl": torch.compile(kl_ref, **dyn),
+        "score_kl": torch.compile(lambda x, v, vr, s, sn, prev: _lp_plus_kl(sde_kl_ref(x, v, vr, s, sn, NOISE_LEVEL, s,
+                                                                                   prev_sample=prev)), **dyn),
         "ppo": torch.compile(lambda lp, old, adv: ppo_ref(lp, old, adv, 1e-4, 5.0), **dyn),
     }
 
@@ -245,7 +281,7 @@ def device_slug(device: torch.device) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'op':<12} {'shape':<30} {'backend':<14} {'median ms':>10} {'GB/s':>8} {'% copy':>7} {'vs eager':>9} "
+    head = (f"{'op':<14} {'shape':<30} {'backend':<14} {'median ms':>10} {'GB/s':>8} {'% copy':>7} {'vs eager':>9} "
             f"{'target':>7}")
     print(head)
     print("-" * len(head))
@@ -257,7 +293,7 @@ def print_table(rows: list[dict]) -> None:
         speed = f"{r['speedup_vs_eager']:.2f}x" if r["speedup_vs_eager"] is not None else "-"
         label = r["backend"] if r["runs"] == r["backend"] else f"{r['backend']}->{r['runs']}"
         met = {True: "met", False: "MISSED", None: ""}[target_met(r)]
-        print(f"{r['op'] if key != last else '':<12} {r['shape'] if key != last else '':<30} {label:<14} "
+        print(f"{r['op'] if key != last else '':<14} {r['shape'] if key != last else '':<30} {label:<14} "
               f"{r['median_ms']:>10.4f} {r['gbs']:>8.1f} {r['pct_copy']:>6.0f}%{'*' if 'note' in r else ' '}{speed:>8} "
               f"{met:>7}")
         last = key
@@ -417,6 +453,7 @@ def run(args, argv=None) -> int:
               "bytes_model": {"sde_fwd": "read x, v, x'", "sde_fwd_bwd": "fwd reads x, v, x'; bwd reads them again "
                               "and writes dv", "sde_sample": "read x, v, noise; write x'",
                               "kl_fwd_bwd": "fp32 means: fwd reads 2, bwd reads 2 and writes 1",
+                              "sde_kl_fwd_bwd": "fwd reads x, v, v_ref, x'; bwd reads them again and writes dv",
                               "grpo_advantages": "read rewards [3, N] fp64 and ids, write 2 x [N] fp64",
                               "ppo_fwd_bwd": "read 3 x [B], write [B] grad"},
               "targets": targets(rows, device), "op_targets": targets_by_op,

@@ -9,6 +9,7 @@ VAE decodes once, at the end. Noise comes from one generator per sample keyed by
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
@@ -194,13 +195,38 @@ def transition_log_prob(policy: Policy, module: nn.Module, traj: Trajectory, t: 
 
     Returns the SDEStep (log_prob, mean, std); with grad if the caller enables it.
     """
+    x, velocity, step_args = _transition(policy, module, traj, t, idx, spec)
+    return spec.sde_fn(x, velocity(), *step_args, prev_sample=traj.x_next[idx, t].to(policy.device),
+                       sde_type=spec.sde_type)
+
+
+def transition_log_prob_kl(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, *, spec: SamplingSpec,
+                           sde_kl_fn: Callable):
+    """`transition_log_prob` and the KL surrogate to the reference policy (`module` with its adapter
+    disabled) at the same x_j: (SDEStep without its mean, kl [B]). The reference's velocity runs
+    without grad; `sde_kl_fn` (kernels.sde_step_kl) scores both in one pass, keeping neither mean."""
+    x, velocity, step_args = _transition(policy, module, traj, t, idx, spec)
+    v = velocity()
+    with torch.no_grad(), policy.adapter_disabled(module):
+        v_ref = velocity()
+    return sde_kl_fn(x, v, v_ref, *step_args, prev_sample=traj.x_next[idx, t].to(policy.device),
+                     sde_type=spec.sde_type)
+
+
+def _transition(policy: Policy, module: nn.Module, traj: Trajectory, t: int, idx, spec: SamplingSpec):
+    """x_j of trained step index t, the velocity call at it, and the SDE step's (sigma, sigma_next,
+    noise level, sigma_max)."""
     dev = policy.device
     x = traj.x_t[idx, t].to(dev)
     cond = traj.condition.select(idx).to(dev) if traj.condition is not None else None
-    v = policy.velocity(module, x, traj.sigma[idx, t], traj.embeds.select(idx).to(dev), traj.height, traj.width,
-                        spec.guidance, condition=cond)
-    return spec.sde_fn(x, v, traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), spec.noise_level,
-                       traj.sigma_max[idx].to(dev), prev_sample=traj.x_next[idx, t].to(dev), sde_type=spec.sde_type)
+    embeds = traj.embeds.select(idx).to(dev)
+
+    def velocity():
+        return policy.velocity(module, x, traj.sigma[idx, t], embeds, traj.height, traj.width, spec.guidance,
+                               condition=cond)
+
+    return x, velocity, (traj.sigma[idx, t].to(dev), traj.sigma_next[idx, t].to(dev), spec.noise_level,
+                         traj.sigma_max[idx].to(dev))
 
 
 def gather_samples(entries: list[tuple[Trajectory, int]]) -> Trajectory:

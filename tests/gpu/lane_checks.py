@@ -141,15 +141,15 @@ def check_grpo_run(run: Path, gpu: bool = True, every_eval_after_an_update: bool
     return f"{len(train)} epochs, losses {losses}; {adapter}; {evals}"
 
 
-def check_bench(path: Path) -> tuple[str, list[str]]:
-    """The bench stage's JSON has a Triton column for every op; returns its targets line (each op's target:
-    kernels/bench/__init__.py OP_TARGETS) and the ops that missed theirs."""
+def check_bench(path: Path, ops=None) -> tuple[str, list[str]]:
+    """The bench stage's JSON has a Triton column for every op (of `ops`, default all); returns its targets
+    line (each op's target: kernels/bench/__init__.py OP_TARGETS) and the ops that missed theirs."""
     sys.path.insert(0, str(REPO))
     from kernels.bench import OPS, op_targets, targets_line
 
     rep = json.loads(Path(path).read_text())
     rows = [r for r in rep["results"] if r["backend"] == "triton"]
-    missing = sorted(set(OPS) - {r["op"] for r in rows})
+    missing = sorted(set(OPS if ops is None else ops) - {r["op"] for r in rows})
     assert not missing, f"no triton column for {missing}"
     targets = rep.get("op_targets") or op_targets(rep["results"])
     missed = [op for op, t in targets.items() if t["status"] == "missed"]

@@ -4,7 +4,7 @@ import torch
 
 import kernels
 from kernel_checks import (check_advantages, check_kl, check_ppo, check_rollout_equals_training, check_sampling,
-                           check_scoring)
+                           check_scoring, check_sde_kl)
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +38,14 @@ def test_rollout_and_training_log_probs_are_bitwise_equal(dtype, sde_type):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kl_matches_float64(dtype):
     check_kl("triton", dtype, FLUX_1024, DEVICE)
+
+
+@pytest.mark.parametrize("shape", [FLUX_512, FLUX_1024])
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "cps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_prob_and_kl_in_one_pass_match_float64(dtype, sde_type, shape):
+    # also: its log-prob bitwise the plain scoring kernel's, compiled for the GPU (FMA contraction included)
+    check_sde_kl("triton", dtype, sde_type, shape, DEVICE)
 
 
 @pytest.mark.parametrize("log_tame", [None, "median"])

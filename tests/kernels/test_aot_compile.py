@@ -6,7 +6,7 @@ The CPU tests run the kernels in Triton's interpreter, which accepts code the GP
 ptxas's register and spill report. The launch sites themselves are checked against that list by
 recording the launches they make on a sweep of inputs.
 
-Duration: the whole compile runs once per session, 480 compiles: 2 to 3 minutes on 2 quiet
+Duration: the whole compile runs once per session, 574 compiles: 2 to 3 minutes on 2 quiet
 cores with a cold Triton cache (~/.triton/cache), about a minute warm (ptxas -v still runs each time).
 """
 import json
@@ -159,6 +159,9 @@ def test_launch_sites_make_only_enumerated_configurations(recorded):
                     for sample in (False, True):
                         for mean in (False, True):
                             T.sde_fwd(x, x, src, sig, 0.7, sde_type, sample, mean)
+                    T.sde_kl_fwd(x, x, x, src, sig, 0.7, sde_type)
+                    for nv, nx in ((True, False), (False, True), (True, True)):
+                        T.sde_kl_bwd(x, x, x, src, sig, 0.7, sde_type, torch.zeros(2), torch.zeros(2), nv, nx)
                     for gm in (None, torch.zeros(2, n)):
                         for nv, nx in ((True, False), (False, True), (True, True)):
                             T.sde_bwd(x, x, src, sig, 0.7, sde_type, torch.zeros(2), gm, nv, nx)
@@ -172,6 +175,7 @@ def test_launch_sites_make_only_enumerated_configurations(recorded):
     for n in (1, 50, 70_000):  # a row of 2048 * n_chunk elements: finalize blocks 16 .. 1024
         row = torch.zeros(1, n)
         T.sde_fwd(row, row, row, torch.full((1, 3), 0.5), 0.7, 0, False, False)
+        T.sde_kl_fwd(row, row, row, row, torch.full((1, 3), 0.5), 0.7, 0)
     for k in (1, 2, 3, 5, 16):
         for tame in (None, "mean", "median", 0.5):
             for global_std in (True, False):

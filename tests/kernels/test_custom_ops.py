@@ -27,7 +27,8 @@ def _fake_cuda(*shapes, dtype=torch.bfloat16, grad=False):
 def test_ops_are_registered_with_fake_impls():
     from kernels import grpo, weighted_ce  # noqa: F401 - `import kernels` alone imports no op (nor torch)
 
-    for name in ("sde_logprob", "sde_logprob_backward", "kl_to_reference", "kl_to_reference_backward", "ppo_clip",
+    for name in ("sde_logprob", "sde_logprob_backward", "sde_logprob_kl", "sde_logprob_kl_backward",
+                 "kl_to_reference", "kl_to_reference_backward", "ppo_clip",
                  "ppo_clip_backward", "grpo_advantages", "weighted_linear_ce"):
         op = getattr(torch.ops.paco, name).default
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or \
@@ -67,6 +68,28 @@ def test_sde_step_and_kl_backward_on_meta_tensors(dtype):
     kl = sde_logprob.kl_to_reference(step.mean, step.mean.detach(), step.std, backend="triton")
     (step.log_prob.sum() + kl.sum()).backward()
     assert v.grad.shape == v.shape and v.grad.dtype == dtype and v.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_log_prob_and_kl_in_one_pass_on_fake_cuda_and_meta_tensors(dtype):
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        x, v, v_ref, prev = _fake_cuda((B, L, C), (B, L, C), (B, L, C), (B, L, C), dtype=dtype)
+        sig = torch.full((B,), 0.9, device="cuda")
+        assert kernels.active_backend("sde_step_kl", x.device) == "triton"  # not in AUTO_TORCH_ON_CUDA
+        step, kl = kernels.sde_step_kl(x, v.requires_grad_(True), v_ref, sig, sig - 0.05, 0.7, sig, prev_sample=prev)
+        assert step.mean is None and step.log_prob.shape == kl.shape == (B,) and kl.device.type == "cuda"
+        g = torch.empty(B, device="cuda")
+        gv, gx = torch.ops.paco.sde_logprob_kl_backward(x, v, v_ref, prev, torch.stack([sig] * 3, 1), 0.7, 0, g, g,
+                                                        True, False, "triton")
+        assert gv.shape == v.shape and gv.dtype == dtype and gv.device.type == "cuda" and gx.numel() == 0
+    meta = [torch.empty(B, L, C, dtype=dtype, device="meta") for _ in range(3)]
+    vg = meta[1].clone().requires_grad_(True)
+    step, kl = sde_logprob.sde_logprob_kl(meta[0], vg, meta[2], torch.full((B,), 0.9, device="meta"), 0.85, 0.7,
+                                          prev_sample=meta[0], backend="triton")
+    (step.log_prob.sum() + kl.sum()).backward()
+    assert vg.grad.shape == vg.shape and vg.grad.dtype == dtype and vg.grad.device.type == "meta"
+    with pytest.raises(ValueError, match="v_ref must not require a gradient"):
+        sde_logprob.sde_logprob_kl(meta[0], vg, vg, 0.9, 0.85, 0.7, prev_sample=meta[0], backend="triton")
 
 
 def test_ppo_and_advantages_on_fake_cuda_tensors():

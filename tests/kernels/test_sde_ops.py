@@ -14,7 +14,7 @@ import torch
 import kernels
 from conftest import REPO
 from kernel_checks import (NOISE_LEVEL, SIGMA_MAX, check_kl, check_rollout_equals_training, check_sampling,
-                           check_scoring, inputs, sigmas)
+                           check_scoring, check_sde_kl, inputs, sigmas)
 from kernels import cpp
 from kernels.sde_reference import SDEStep, sde_step as sde_ref
 
@@ -74,6 +74,17 @@ def test_kl_matches_float64(dtype):
     check_kl("cpp", dtype, SHAPES[2])  # 5-D video latents
 
 
+@pytest.mark.parametrize("sde_type", ["flow_grpo", "cps"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_log_prob_and_kl_in_one_pass_match_float64(dtype, sde_type):
+    check_sde_kl("cpp", dtype, sde_type, (3, 129, 65))
+    check_sde_kl("cpp", dtype, sde_type, SHAPES[2])
+
+
+def test_log_prob_and_kl_in_one_pass_on_the_torch_reference():
+    check_sde_kl("torch", torch.bfloat16, "flow_grpo", (3, 37, 61))
+
+
 def test_non_contiguous_inputs_are_handled():
     x, v, noise = inputs((2, 64, 40), torch.float32, seed=4)
     vt = v.transpose(1, 2).contiguous().transpose(1, 2)  # same values, column-major strides
@@ -127,6 +138,7 @@ def test_which_backend_runs_each_op_on_cpu():
     table = {op: {b: kernels.active_backend(op, "cpu", b) for b in ("torch", "cpp", "auto")} for op in kernels.KERNELS}
     assert table == {"sde_step": {"torch": "torch", "cpp": "cpp", "auto": "cpp"},
                      "kl_to_reference": {"torch": "torch", "cpp": "cpp", "auto": "cpp"},
+                     "sde_step_kl": {"torch": "torch", "cpp": "cpp", "auto": "cpp"},
                      "ppo_clip_loss": {"torch": "torch", "cpp": "torch", "auto": "torch"},
                      "grpo_advantages": {"torch": "torch", "cpp": "torch", "auto": "torch"},
                      "weighted_linear_ce": {"torch": "torch", "cpp": "torch", "auto": "torch"}}

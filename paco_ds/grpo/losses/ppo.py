@@ -1,6 +1,8 @@
 """`train.loss: ppo` (PaCo-GRPO, Flow-GRPO): PPO-clip on the SDE transition log-probs of the noised
 steps, against log pi_old recorded at sampling; one forward with grad per sample and step, plus a
-forward with the adapter disabled for the KL to the base model only when `train.kl_beta > 0`.
+forward with the adapter disabled for the KL to the base model only when `train.kl_beta > 0`. The
+log-prob and that KL are scored in one fused pass (kernels.sde_step_kl) that keeps neither
+transition mean; GRPO-Guard, which needs the mean, scores them apart.
 
 With `train.ppo.ratio_norm` (GRPO-Guard, arXiv 2510.22319): the log-ratio gets its bias back and is
 scaled by the transition std (RatioNorm), the step's term is divided by its dt (gradient
@@ -20,7 +22,7 @@ from paco_ds.recipe.schema import Config, LossSection
 from paco_ds.grpo.losses.base import Loss, RolloutNeeds
 from paco_ds.models.base import Policy
 from paco_ds.sampling.spec import SamplingSpec
-from paco_ds.sampling.trajectory import step_advantages, transition_log_prob
+from paco_ds.sampling.trajectory import step_advantages, transition_log_prob, transition_log_prob_kl
 
 
 class PPOConfig(LossSection):
@@ -61,15 +63,26 @@ class PPOClip(Loss):
 
     def __init__(self, cfg: Config, policy: Policy):
         self.guard = cfg.train.ppo.ratio_norm
-        # The fp32 transition mean is only needed for the KL term and GRPO-Guard's bias.
-        self.return_mean = cfg.train.kl_beta > 0 or self.guard
+        # The fp32 transition mean is only needed for GRPO-Guard's bias (and then for its KL term):
+        # without the guard, the KL term is scored with the log-prob in one pass from the velocities.
+        self.return_mean = self.guard
+        self.fused_kl = cfg.train.kl_beta > 0 and not self.guard
         self.needs = RolloutNeeds(log_probs=True, mean_old=self.guard)
         super().__init__(cfg, policy)
-        self.log_prob = partial(transition_log_prob, policy, spec=SamplingSpec.training(cfg, self.sde, self.needs))
+        spec = SamplingSpec.training(cfg, self.sde, self.needs)
+        self.log_prob = partial(transition_log_prob, policy, spec=spec)
+        self.log_prob_kl = partial(transition_log_prob_kl, policy, spec=spec, sde_kl_fn=self._sde_kl)
+
+    def _sde_kl(self, x, v, v_ref, *args, **kwargs):
+        self.sde_logprob_rows += x.shape[0]
+        return kernels.sde_step_kl(x, v, v_ref, *args, backend=self.cfg.kernels.backend, **kwargs)
 
     def __call__(self, module, batch, t):
         cfg = self.cfg
-        step = self.log_prob(module, batch, t, slice(None))
+        if self.fused_kl:
+            step, kl_t = self.log_prob_kl(module, batch, t, slice(None))
+        else:
+            step, kl_t = self.log_prob(module, batch, t, slice(None)), None
         dev = step.log_prob.device
         old = batch.log_prob[:, t].to(dev)
         if not self.guard:
@@ -97,10 +110,12 @@ class PPOClip(Loss):
         stats = {k: float(v) for k, v in stats.items()}
         kl = 0.0
         if cfg.train.kl_beta > 0:
-            with torch.no_grad(), self.policy.adapter_disabled(module):
-                ref = self.log_prob(module, batch, t, slice(None))
-            kl_t = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=cfg.kernels.backend).mean()
-            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t)
+            if kl_t is None:  # GRPO-Guard: the reference's transition mean, then the KL of the two means
+                with torch.no_grad(), self.policy.adapter_disabled(module):
+                    ref = self.log_prob(module, batch, t, slice(None))
+                kl_t = kernels.kl_to_reference(step.mean, ref.mean, step.std, backend=cfg.kernels.backend)
+            kl_t = kl_t.mean()
+            loss, kl = loss + cfg.train.kl_beta * kl_t, float(kl_t.detach())
         stats["kl"] = kl
         return loss, stats
 
