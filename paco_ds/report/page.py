@@ -112,7 +112,7 @@ def _signed(v: float) -> str:
 
 def _png(fig) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=90)  # tight_layout() already fits the labels: "tight" would draw twice
     return base64.b64encode(buf.getvalue()).decode()
 
 

@@ -59,24 +59,26 @@ def _bytes_to_unicode() -> list[str]:
 def clip_tokenizer():
     """The real CLIP BPE tokenizer (49408 tokens), rebuilt from open_clip's bundled merges.
 
-    Each call returns its own copy: a tokenizer keeps padding and truncation state, so the policy's
-    text encoder and a tiny CLIP reward scoring in another thread must not share one (a prompt could
-    be padded to the other's length mid-rollout)."""
-    return copy.deepcopy(_clip_tokenizer_built())
+    Each call builds its own: a tokenizer keeps padding and truncation state, so the policy's text
+    encoder and a tiny CLIP reward scoring in another thread must not share one (a prompt could be
+    padded to the other's length mid-rollout). Building from the cached vocabulary takes a quarter
+    of the time a deep copy of a built one took (0.2 against 0.8 s: the copy walks 49k merges)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _clip_vocabulary()
+    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=77)
 
 
 @functools.lru_cache(maxsize=1)
-def _clip_tokenizer_built():
+def _clip_vocabulary() -> tuple[dict, list]:
     import open_clip
-    from transformers import CLIPTokenizer
 
     path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
     merges = gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
     base = _bytes_to_unicode()
     tokens = base + [t + "</w>" for t in base] + ["".join(m.split()) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges],
-                         model_max_length=77)
+    return {t: i for i, t in enumerate(tokens)}, [tuple(m.split()) for m in merges]
 
 
 def t5_tokenizer():
