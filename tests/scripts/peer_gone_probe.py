@@ -4,6 +4,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from paco_ds.runtime import stopping  # noqa: E402
@@ -22,6 +24,11 @@ def main():
         barrier()  # both ranks are up
         if dist.rank == 0:
             time.sleep(1.0)  # rank 1 is in the barrier below by now
+            # Close this rank's connections first and give rank 1 time to see it: the launcher stops
+            # every rank (SIGTERM) within a second of this process's exit, and on a loaded machine
+            # that stop could otherwise reach rank 1 before it was scheduled to read the lost peer.
+            torch.distributed.destroy_process_group()
+            time.sleep(3.0)
             raise ProbeFailure("rank 0 failed on purpose")
         barrier()
 
