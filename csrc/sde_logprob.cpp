@@ -71,6 +71,20 @@ float pairwise(const float* p, int64_t n) {
   return pairwise(p, h) + pairwise(p + h, n - h);
 }
 
+// Runs f(t, b, off, n) for every chunk of every row in parallel: task t is chunk t % nchunk of row
+// b = t / nchunk, its n elements starting at element off of the [B, N] tensor. The chunks fix the
+// reduction tree, whatever the thread count.
+template <typename F>
+void over_chunks(int64_t B, int64_t N, F&& f) {
+  const int64_t nchunk = (N + kChunk - 1) / kChunk;
+  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / nchunk, c = t % nchunk;
+      f(t, b, b * N + c * kChunk, std::min(kChunk, N - c * kChunk));
+    }
+  });
+}
+
 struct Row {  // per-sample coefficients of the transition (see the comment at the top)
   float cx, cv, sd, k1, k0, std_t;
 };
@@ -154,13 +168,9 @@ void fwd_rows(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, c
   const T* vp = static_cast<const T*>(v.const_data_ptr());
   const S* sp = static_cast<const S*>(src.const_data_ptr());
   std::vector<float> partial(B * nchunk);
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk;
-      partial[t] = fwd_chunk<T, S, kSample, kMean>(xp + off, vp + off, sp + off, prev ? prev + off : nullptr,
-                                                   mean ? mean + off : nullptr, std::min(kChunk, N - c * kChunk),
-                                                   rows[b]);
-    }
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    partial[t] = fwd_chunk<T, S, kSample, kMean>(xp + off, vp + off, sp + off, prev ? prev + off : nullptr,
+                                                 mean ? mean + off : nullptr, n, rows[b]);
   });
   for (int64_t b = 0; b < B; ++b)
     log_prob[b] = -rows[b].k1 * pairwise(partial.data() + b * nchunk, nchunk) - rows[b].k0;
@@ -178,29 +188,32 @@ void fwd_typed(const at::Tensor& x, const at::Tensor& v, const at::Tensor& src, 
 }
 
 // ---------------------------------------------------------------- SDE log-prob, backward
+// e = 2 k1 g (x' - mean) of element i, the mean recomputed from x and v
+template <typename T, typename S>
+inline float lp_residual(const T* x, const T* v, const S* xnext, int64_t i, const Row& r, float gd) {
+  const float mu = r.cx * widen(x[i]) + r.cv * widen(v[i]);
+  return gd * (widen(xnext[i]) - mu);
+}
+
 // d log_prob / d v_i = cv * e_i and d log_prob / d x_i = cx * e_i with e_i = 2 k1 (x'_i - mean_i),
 // scaled by the incoming per-sample gradient g; a gradient g_mean of the mean output adds to e.
 // The mean is recomputed here from x and v, so nothing but the inputs is kept for backward.
 template <typename T, typename S, bool kMean, bool kGv, bool kGx>
 void bwd_rows(const at::Tensor& x, const at::Tensor& v, const at::Tensor& xnext, const Row* rows, const float* g_lp,
               const float* g_mean, T* gv, T* gx) {
-  const int64_t B = x.size(0), N = x.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
+  const int64_t B = x.size(0), N = x.numel() / B;
   const T* xp = static_cast<const T*>(x.const_data_ptr());
   const T* vp = static_cast<const T*>(v.const_data_ptr());
   const S* np = static_cast<const S*>(xnext.const_data_ptr());
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
-      const Row& r = rows[b];
-      const float gd = 2.f * r.k1 * g_lp[b];
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    const Row& r = rows[b];
+    const float gd = 2.f * r.k1 * g_lp[b];
 #pragma omp simd
-      for (int64_t i = off; i < off + n; ++i) {
-        const float mu = r.cx * widen(xp[i]) + r.cv * widen(vp[i]);
-        float e = gd * (widen(np[i]) - mu);
-        if constexpr (kMean) e += g_mean[i];
-        if constexpr (kGv) gv[i] = narrow<T>(r.cv * e);
-        if constexpr (kGx) gx[i] = narrow<T>(r.cx * e);
-      }
+    for (int64_t i = off; i < off + n; ++i) {
+      float e = lp_residual(xp, vp, np, i, r, gd);
+      if constexpr (kMean) e += g_mean[i];
+      if constexpr (kGv) gv[i] = narrow<T>(r.cv * e);
+      if constexpr (kGx) gx[i] = narrow<T>(r.cx * e);
     }
   });
 }
@@ -242,24 +255,21 @@ void kl_fwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale,
   const T* a = static_cast<const T*>(m.const_data_ptr());
   const T* b_ = static_cast<const T*>(mr.const_data_ptr());
   std::vector<float> partial(B * nchunk);
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
-      float acc[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
-        for (int l = 0; l < kLanes; ++l) {
-          const float d = widen(a[off + i + l]) - widen(b_[off + i + l]);
-          acc[l] += d * d;
-        }
-      }
-      for (int l = 0; i + l < n; ++l) {
+      for (int l = 0; l < kLanes; ++l) {
         const float d = widen(a[off + i + l]) - widen(b_[off + i + l]);
         acc[l] += d * d;
       }
-      partial[t] = lane_tree(acc);
     }
+    for (int l = 0; i + l < n; ++l) {
+      const float d = widen(a[off + i + l]) - widen(b_[off + i + l]);
+      acc[l] += d * d;
+    }
+    partial[t] = lane_tree(acc);
   });
   for (int64_t b = 0; b < B; ++b) out[b] = scale[b] * pairwise(partial.data() + b * nchunk, nchunk);
 }
@@ -267,19 +277,16 @@ void kl_fwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale,
 // grad_m = 2 scale g (m - m_ref) = -grad_m_ref
 template <typename T>
 void kl_bwd_typed(const at::Tensor& m, const at::Tensor& mr, const float* scale, const float* g, T* gm, T* gmr) {
-  const int64_t B = m.size(0), N = m.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
+  const int64_t B = m.size(0), N = m.numel() / B;
   const T* a = static_cast<const T*>(m.const_data_ptr());
   const T* b_ = static_cast<const T*>(mr.const_data_ptr());
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
-      const float k = 2.f * scale[b] * g[b];
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    const float k = 2.f * scale[b] * g[b];
 #pragma omp simd
-      for (int64_t i = off; i < off + n; ++i) {
-        const float gi = k * (widen(a[i]) - widen(b_[i]));
-        if (gm) gm[i] = narrow<T>(gi);
-        if (gmr) gmr[i] = narrow<T>(-gi);
-      }
+    for (int64_t i = off; i < off + n; ++i) {
+      const float gi = k * (widen(a[i]) - widen(b_[i]));
+      if (gm) gm[i] = narrow<T>(gi);
+      if (gmr) gmr[i] = narrow<T>(-gi);
     }
   });
 }
@@ -303,25 +310,22 @@ void sde_kl_fwd_typed(const at::Tensor& x, const at::Tensor& v, const at::Tensor
   const T* rp = static_cast<const T*>(vr.const_data_ptr());
   const S* np = static_cast<const S*>(xnext.const_data_ptr());
   std::vector<float> partial(B * nchunk), kl_partial(B * nchunk);
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
-      const Row& r = rows[b];
-      float acc[kLanes] = {}, acc_kl[kLanes] = {};
-      auto term = [&](int64_t i, int l) {
-        acc[l] += fwd_elem<T, S, false, false>(xp, vp, np, nullptr, nullptr, i, r);
-        const float dv = widen(vp[i]) - widen(rp[i]);
-        acc_kl[l] += dv * dv;
-      };
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    const Row& r = rows[b];
+    float acc[kLanes] = {}, acc_kl[kLanes] = {};
+    auto term = [&](int64_t i, int l) {
+      acc[l] += fwd_elem<T, S, false, false>(xp, vp, np, nullptr, nullptr, i, r);
+      const float dv = widen(vp[i]) - widen(rp[i]);
+      acc_kl[l] += dv * dv;
+    };
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
-        for (int l = 0; l < kLanes; ++l) term(off + i + l, l);
-      }
-      for (int l = 0; i + l < n; ++l) term(off + i + l, l);
-      partial[t] = lane_tree(acc);
-      kl_partial[t] = lane_tree(acc_kl);
+      for (int l = 0; l < kLanes; ++l) term(off + i + l, l);
     }
+    for (int l = 0; i + l < n; ++l) term(off + i + l, l);
+    partial[t] = lane_tree(acc);
+    kl_partial[t] = lane_tree(acc_kl);
   });
   for (int64_t b = 0; b < B; ++b) {
     log_prob[b] = -rows[b].k1 * pairwise(partial.data() + b * nchunk, nchunk) - rows[b].k0;
@@ -334,22 +338,19 @@ void sde_kl_fwd_typed(const at::Tensor& x, const at::Tensor& v, const at::Tensor
 template <typename T, typename S, bool kGv, bool kGx>
 void sde_kl_bwd_rows(const at::Tensor& x, const at::Tensor& v, const at::Tensor& vr, const at::Tensor& xnext,
                      const Row* rows, const float* g_lp, const float* g_kl, T* gv, T* gx) {
-  const int64_t B = x.size(0), N = x.numel() / B, nchunk = (N + kChunk - 1) / kChunk;
+  const int64_t B = x.size(0), N = x.numel() / B;
   const T* xp = static_cast<const T*>(x.const_data_ptr());
   const T* vp = static_cast<const T*>(v.const_data_ptr());
   const T* rp = static_cast<const T*>(vr.const_data_ptr());
   const S* np = static_cast<const S*>(xnext.const_data_ptr());
-  at::parallel_for(0, B * nchunk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / nchunk, c = t % nchunk, off = b * N + c * kChunk, n = std::min(kChunk, N - c * kChunk);
-      const Row& r = rows[b];
-      const float gd = 2.f * r.k1 * g_lp[b], gk = 2.f * kl_factor(r, N) * g_kl[b];
+  over_chunks(B, N, [&](int64_t t, int64_t b, int64_t off, int64_t n) {
+    const Row& r = rows[b];
+    const float gd = 2.f * r.k1 * g_lp[b], gk = 2.f * kl_factor(r, N) * g_kl[b];
 #pragma omp simd
-      for (int64_t i = off; i < off + n; ++i) {
-        const float e = gd * (widen(np[i]) - (r.cx * widen(xp[i]) + r.cv * widen(vp[i])));
-        if constexpr (kGv) gv[i] = narrow<T>(r.cv * e + gk * (widen(vp[i]) - widen(rp[i])));
-        if constexpr (kGx) gx[i] = narrow<T>(r.cx * e);
-      }
+    for (int64_t i = off; i < off + n; ++i) {
+      const float e = lp_residual(xp, vp, np, i, r, gd);
+      if constexpr (kGv) gv[i] = narrow<T>(r.cv * e + gk * (widen(vp[i]) - widen(rp[i])));
+      if constexpr (kGx) gx[i] = narrow<T>(r.cx * e);
     }
   });
 }
