@@ -106,7 +106,8 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std: torch.Tenso
 
 
 def sde_step_kl(x: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor, sigma, sigma_next, noise_level: float,
-                sigma_max=None, *, prev_sample: torch.Tensor, sde_type: str = "flow_grpo") -> tuple[SDEStep, torch.Tensor]:
+                sigma_max=None, *, prev_sample: torch.Tensor,
+                sde_type: str = "flow_grpo") -> tuple[SDEStep, torch.Tensor]:
     """The scored step of `sde_step` and `kl_to_reference` from its mean to the mean of the reference
     velocity `v_ref` from the same x: (the step, without its mean; the per-sample KL)."""
     if noise_level == 0:

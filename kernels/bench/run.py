@@ -22,7 +22,8 @@ from kernels.sde_reference import kl_to_reference as kl_ref, sde_step as sde_ref
 C = 64  # FLUX packed latent channels
 NOISE_LEVEL, SIGMA, SIGMA_NEXT = 0.7, 0.9441, 0.8825  # step 1 of FLUX's 512 px, 10-step schedule
 KERNEL_OP = {"sde_fwd": "sde_step", "sde_fwd_bwd": "sde_step", "sde_sample": "sde_step",  # bench op -> kernels op
-             "kl_fwd_bwd": "kl_to_reference", "sde_kl_fwd_bwd": "sde_step_kl", "grpo_advantages": "grpo_advantages", "ppo_fwd_bwd": "ppo_clip_loss"}
+             "kl_fwd_bwd": "kl_to_reference", "sde_kl_fwd_bwd": "sde_step_kl", "grpo_advantages": "grpo_advantages",
+             "ppo_fwd_bwd": "ppo_clip_loss"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

@@ -61,8 +61,8 @@ def clip_tokenizer():
 
     Each call builds its own: a tokenizer keeps padding and truncation state, so the policy's text
     encoder and a tiny CLIP reward scoring in another thread must not share one (a prompt could be
-    padded to the other's length mid-rollout). Building from the cached vocabulary takes a quarter
-    of the time a deep copy of a built one took (0.2 against 0.8 s: the copy walks 49k merges)."""
+    padded to the other's length mid-rollout). Building from the cached vocabulary takes 0.05 s where
+    a deep copy of a built one took 0.8 s (the copy walks 49k merges)."""
     from transformers import CLIPTokenizer
 
     vocab, merges = _clip_vocabulary()
